@@ -51,6 +51,10 @@ class Case:
     unseen_cause: str = ""
 
 
+_WRAPPED_SCALAR = ("a Python scalar passed as a tensor argument is wrapped in a CPU float64 or int64 tensor "
+                   "(8 B), and TensorIterator copies it to float32 (4 B), both below the dispatcher")
+
+
 def _sgd(model: nn.Module, momentum: float = 0.0) -> torch.optim.SGD:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
 
@@ -381,13 +385,29 @@ CASES: tuple[Case, ...] = (
     Case("convnet_bn_inplace_relu", _build_convnet,
          "conv + batch norm + in-place ReLU, cross-entropy, SGD"),
     Case("eager_attention", _build_attention,
-         "pre-norm transformer block, eager causal attention (s x s scores), SGD"),
+         "pre-norm transformer block, eager causal attention (s x s scores), SGD",
+         unseen_bytes=8,
+         unseen_cause="the peak is in the FFN's backward, while MulBackward0 of "
+                      "`scores * (1 / sqrt(head_dim))` still holds its wrapped float64 scalar "
+                      "(8 B, made below the dispatcher) for the attention's backward"),
     Case("checkpoint", _build_checkpoint,
          "3 residual MLP blocks under torch.utils.checkpoint (non-reentrant), SGD"),
+    Case("checkpoint_rng_state", _build_checkpoint_rng,
+         "the same with preserve_rng_state=True (PyTorch's default)",
+         unseen_bytes=5056,
+         unseen_cause="the peak is in the backward of blocks.0 (the last to run), while "
+                      "checkpoint still holds its stash of torch.get_rng_state(), a 5056 B CPU "
+                      "tensor made outside the dispatcher (host memory, not GPU memory)"),
     Case("custom_function", _build_custom_function,
-         "a custom autograd Function with save_for_backward, SGD"),
+         "a custom autograd Function with save_for_backward, SGD",
+         unseen_bytes=12,
+         unseen_cause="the peak is `x.relu().mul(2)` in the Function's backward: "
+                      + _WRAPPED_SCALAR.replace("float64 or int64", "int64")),
     Case("views_cat_chunk", _build_views, "chunk / t / cat / narrow / view / reshape, SGD"),
-    Case("adam", _build_adam, "MLP, first Adam step (lazy state init, step tensors)"),
+    Case("adam", _build_adam, "MLP, first Adam step (lazy state init, step tensors)",
+         unseen_bytes=12,
+         unseen_cause="the peak is Adam's `exp_avg_sq.sqrt() / bias_correction2_sqrt` for the "
+                      "largest weight: " + _WRAPPED_SCALAR.replace("float64 or int64", "float64")),
     Case("grad_accumulation", _build_grad_accumulation,
          "4 microbatches accumulating .grad, then SGD with momentum"),
     Case("no_grad_buffer", _build_no_grad_buffer,
@@ -397,7 +417,10 @@ CASES: tuple[Case, ...] = (
     Case("engine_grad_sums", _build_branchy,
          "gradients summed by the autograd engine, in place and out of place, SGD"),
     Case("embedding_lm", _build_lm,
-         "embedding, RMSNorm, vocabulary head, cross-entropy, AdamW"),
+         "embedding, RMSNorm, vocabulary head, cross-entropy, AdamW",
+         unseen_bytes=12,
+         unseen_cause="the peak is AdamW's `exp_avg_sq.sqrt() / bias_correction2_sqrt` for the "
+                      "vocabulary head: " + _WRAPPED_SCALAR.replace("float64 or int64", "float64")),
 )
 
 
