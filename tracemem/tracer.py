@@ -76,11 +76,12 @@ class _Storage:
     """What the tracer knows of one storage. The category may be refined while the storage
     lives (a temporary that autograd saves becomes an activation); it applies to its whole life."""
 
-    __slots__ = ("sid", "nbytes", "raw_nbytes", "category", "module", "phase", "op",
+    __slots__ = ("sid", "key", "nbytes", "raw_nbytes", "category", "module", "phase", "op",
                  "device", "dtype", "shape", "ref")
 
-    def __init__(self, sid, raw_nbytes, nbytes, category, module, phase, op, tensor):
+    def __init__(self, sid, key, raw_nbytes, nbytes, category, module, phase, op, tensor):
         self.sid = sid
+        self.key = key  # StorageImpl address: the key in MemoryTracer._live
         self.raw_nbytes = raw_nbytes
         self.nbytes = nbytes
         self.category = category
@@ -318,7 +319,8 @@ class MemoryTracer(TorchDispatchMode):
         if not self._counted(t):
             return None
         raw = st.nbytes()
-        rec = _Storage(self._next_sid, raw, self._round(raw), category, module, phase, op, t)
+        rec = _Storage(self._next_sid, key, raw, self._round(raw), category, module, phase, op,
+                       t)
         self._next_sid += 1
         rec.ref = weakref.ref(st, lambda _ref, key=key: self._on_storage_freed(key))
         self._live[key] = rec
@@ -346,7 +348,12 @@ class MemoryTracer(TorchDispatchMode):
         if rec is not None:
             self._emit("free", rec.nbytes, rec, self._phase() if self._inside else Phase.OUTSIDE)
 
-    def _check_resize(self, st: torch.UntypedStorage, rec: _Storage, phase: Phase) -> None:
+    def _check_resize(self, t: Tensor, rec: _Storage, phase: Phase) -> None:
+        """Record a change of ``rec``'s size, if ``t`` still uses that storage (``set_`` may
+        have pointed it at another one)."""
+        st = t.untyped_storage()
+        if st._cdata != rec.key:
+            return
         raw = st.nbytes()
         if raw != rec.raw_nbytes:
             new, old = self._round(raw), rec.nbytes
@@ -516,9 +523,9 @@ class MemoryTracer(TorchDispatchMode):
         for t in _iter_tensors(out if isinstance(out, (list, tuple)) else (out,)):
             rec = self._register(t, Category.TEMPORARY, module, phase, op)
             if mutable and rec is not None:
-                self._check_resize(t.untyped_storage(), rec, phase)
+                self._check_resize(t, rec, phase)
         for t, rec in inputs:
-            self._check_resize(t.untyped_storage(), rec, phase)
+            self._check_resize(t, rec, phase)
         self._op = None
         return out
 
@@ -530,6 +537,7 @@ class MemoryTracer(TorchDispatchMode):
             return
         st = new.untyped_storage()
         key = st._cdata
+        rec.key = key
         rec.ref = weakref.ref(st, lambda _ref, key=key: self._on_storage_freed(key))
         self._live[key] = rec
 
