@@ -1,0 +1,5 @@
+import sys
+
+from tracemem.cli import main
+
+sys.exit(main())

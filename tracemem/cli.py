@@ -1,0 +1,123 @@
+"""The ``tracemem`` command line. User errors print one line on stderr and exit with code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from tracemem import __version__
+from tracemem.errors import TracememError
+from tracemem.report import UNITS, format_breakdown, format_comparisons, get_summary
+
+__all__ = ["build_parser", "main"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (a function, so tests can call it)."""
+    from tracemem.examples import DTYPES, DemoConfig
+    from tracemem.validation.cases import CASES
+
+    parser = argparse.ArgumentParser(
+        prog="tracemem",
+        description="Exact training-memory figures from tracing real torch ops on the meta device.")
+    parser.add_argument("--version", action="version", version=f"tracemem {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo", help="trace one training step of a small built-in transformer and print what "
+                     "is alive at its peak")
+    defaults = DemoConfig()
+    demo.add_argument("--num-layers", type=_positive_int, default=defaults.num_layers,
+                      help="number of decoder blocks (default %(default)s)")
+    demo.add_argument("--hidden-size", type=_positive_int, default=defaults.hidden_size,
+                      help="model width h (default %(default)s)")
+    demo.add_argument("--num-attention-heads", type=_positive_int,
+                      default=defaults.num_attention_heads,
+                      help="attention heads; must divide --hidden-size (default %(default)s)")
+    demo.add_argument("--seq-length", type=_positive_int, default=defaults.seq_length,
+                      help="sequence length s in tokens (default %(default)s)")
+    demo.add_argument("--micro-batch-size", type=_positive_int, default=defaults.micro_batch_size,
+                      help="sequences per microbatch b (default %(default)s)")
+    demo.add_argument("--vocab-size", type=_positive_int, default=defaults.vocab_size,
+                      help="vocabulary size in tokens (default %(default)s)")
+    demo.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype,
+                      help="parameter and activation dtype (default %(default)s)")
+    _add_output_flags(demo)
+
+    validate = sub.add_parser(
+        "validate", help="run the validation cases for real on CPU under torch.profiler and "
+                         "traced on meta, and print both peaks")
+    validate.add_argument("--case", action="append", choices=[c.name for c in CASES],
+                          help="a case to run (repeatable; default: all)")
+    validate.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
+    return parser
+
+
+def _add_output_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounding", type=_positive_int, default=None,
+                        help="round each storage up to a multiple of this many bytes; 512 is "
+                             "the CUDA caching allocator's block (default: exact bytes)")
+    parser.add_argument("--units", choices=list(UNITS), default="GiB",
+                        help="units of the printed tables (default %(default)s; 1 GiB = 2^30 B)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the summary as JSON, every figure in bytes")
+
+
+def _run_demo(args: argparse.Namespace) -> str:
+    from tracemem.examples import DemoConfig, trace_demo
+
+    cfg = DemoConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                     num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                     micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size,
+                     dtype=args.dtype)
+    tracer = trace_demo(cfg, rounding=args.rounding)
+    if args.json:
+        return json.dumps({"config": vars(cfg), **get_summary(tracer)}, indent=2)
+    title = (f"demo transformer: {cfg.num_layers} layers, h={cfg.hidden_size}, "
+             f"{cfg.num_attention_heads} heads, b={cfg.micro_batch_size}, s={cfg.seq_length}, "
+             f"vocab={cfg.vocab_size}, {cfg.dtype}, Adam; one step traced on the meta device")
+    return title + "\n\n" + format_breakdown(tracer, units=args.units)
+
+
+def _run_validate(args: argparse.Namespace) -> str:
+    from tracemem.validation import compare_case, get_case
+    from tracemem.validation.cases import CASES
+
+    cases = [get_case(name) for name in args.case] if args.case else list(CASES)
+    comparisons = [compare_case(case) for case in cases]
+    if args.json:
+        return json.dumps([{"case": c.case.name, "real_peak_bytes": c.real_peak_bytes,
+                            "traced_peak_bytes": c.traced_peak_bytes,
+                            "unseen_bytes": c.case.unseen_bytes,
+                            "unseen_cause": c.case.unseen_cause} for c in comparisons], indent=2)
+    notes = [f"- {c.case.name}: {c.case.unseen_cause}" for c in comparisons if c.case.unseen_cause]
+    return "\n".join([format_comparisons(comparisons), "", "Named unseen bytes:", *notes])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point. Returns the exit code: 0, or 2 for a usage error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        out = {"demo": _run_demo, "validate": _run_validate}[args.command](args)
+    except TracememError as error:
+        print(f"tracemem: error: {error}".splitlines()[0], file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

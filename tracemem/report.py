@@ -1,0 +1,90 @@
+"""Plain data and text tables from a trace. Nothing here prints: ``get_*`` returns data,
+``format_*`` returns a string, and only the CLI prints (as ``torch.utils.flop_counter`` keeps
+``get_flop_counts`` apart from ``get_table``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tabulate import tabulate
+
+from tracemem.errors import TracememError
+from tracemem.tracer import MemoryTracer
+
+__all__ = ["UNITS", "to_units", "get_summary", "format_breakdown", "format_comparisons"]
+
+# Binary units only: the field's memory figures are GiB (2^30 B), and "GB" is ambiguous.
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def to_units(nbytes: int, units: str) -> float:
+    """``nbytes`` in ``units`` (one of ``UNITS``).
+
+    Raises:
+        TracememError: unknown unit; the message lists the valid ones.
+    """
+    if units not in UNITS:
+        raise TracememError(f"units={units!r} is invalid; choose one of {', '.join(UNITS)}")
+    return nbytes / UNITS[units]
+
+
+def get_summary(tracer: MemoryTracer, top_modules: int = 10) -> dict[str, Any]:
+    """A JSON-ready summary, every figure in bytes (int).
+
+    Keys: ``peak_bytes``, ``baseline_bytes``, ``step_peak_bytes`` (peak - baseline),
+    ``peak_event`` (index, phase, op and module of the event that set the peak, or null),
+    ``by_category`` and ``by_module`` (bytes alive at the peak; modules limited to the
+    ``top_modules`` largest), ``num_events``.
+    """
+    peak = tracer.peak_event_index
+    event = tracer.events[peak] if peak is not None else None
+    modules = tracer.by_module("peak")
+    return {
+        "peak_bytes": tracer.peak_bytes,
+        "baseline_bytes": tracer.baseline_bytes or 0,
+        "step_peak_bytes": tracer.peak_bytes - (tracer.baseline_bytes or 0),
+        "peak_event": None if event is None else {
+            "index": event.index, "phase": event.phase.value, "op": event.op,
+            "module": event.module},
+        "by_category": tracer.by_category("peak"),
+        "by_module": dict(list(modules.items())[:top_modules]),
+        "num_events": len(tracer.events),
+    }
+
+
+def _rows(totals: dict[str, int], total: int, units: str) -> list[list[Any]]:
+    return [[name or "(root)", nbytes, f"{to_units(nbytes, units):.3f}",
+             f"{100 * nbytes / total:.1f}" if total else "0.0"] for name, nbytes in totals.items()]
+
+
+def format_breakdown(tracer: MemoryTracer, units: str = "GiB", top_modules: int = 10) -> str:
+    """What is alive at the peak, by category and by module, as two tables."""
+    summary = get_summary(tracer, top_modules)
+    total = summary["peak_bytes"]
+    head = ["bytes", units, "% of peak"]
+    event = summary["peak_event"]
+    where = ("" if event is None else
+             f" (event {event['index']}: {event['phase']}, {event['op']}, "
+             f"module {event['module'] or '(root)'})")
+    lines = [
+        f"peak: {total} B = {to_units(total, units):.3f} {units}{where}",
+        f"alive before the step: {summary['baseline_bytes']} B; added by the step at its peak: "
+        f"{summary['step_peak_bytes']} B",
+        "",
+        tabulate(_rows(summary["by_category"], total, units), headers=["category"] + head,
+                 intfmt=","),
+        "",
+        tabulate(_rows(summary["by_module"], total, units),
+                 headers=[f"module (top {top_modules})"] + head, intfmt=","),
+    ]
+    return "\n".join(lines)
+
+
+def format_comparisons(comparisons: Sequence[Any]) -> str:
+    """Real CPU peaks beside traced ones, one row per validation case (bytes)."""
+    rows = [[c.case.name, c.real_peak_bytes, c.traced_peak_bytes, c.gap_bytes,
+             c.case.unseen_bytes, "yes" if c.gap_bytes == c.case.unseen_bytes else "NO"]
+            for c in comparisons]
+    return tabulate(rows, headers=["case", "real peak B", "traced peak B", "real - traced B",
+                                   "named unseen B", "explained"], intfmt=",")
