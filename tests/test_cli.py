@@ -1,0 +1,77 @@
+"""The command line: values printed, and one-line errors with exit code 2.
+
+Reference: hand arithmetic of the demo model's parameter count (numel * 4 B in float32).
+"""
+
+import json
+
+import pytest
+
+from tracemem.cli import build_parser, main
+from tracemem.report import to_units
+
+TINY = ["demo", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "16", "--vocab-size", "100", "--dtype", "float32"]
+
+# embedding 100*64; block: 2 LayerNorms 2*(64+64), wqkv 64*192, wo 64*64,
+# w1 64*256 + 256, w2 256*64 + 64; final LayerNorm 64+64; head 64*100.
+TINY_PARAMS = 100 * 64 + 2 * 128 + 64 * 192 + 64 * 64 + 64 * 256 + 256 + 256 * 64 + 64 + 128 \
+    + 64 * 100
+
+
+def test_demo_json_reports_parameters_gradients_and_adam_states_at_the_peak(capsys):
+    assert main(TINY + ["--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    categories = summary["by_category"]
+    assert TINY_PARAMS == 62656
+    assert categories["parameter"] == categories["gradient"] == TINY_PARAMS * 4
+    assert categories["optimizer_state"] == 2 * TINY_PARAMS * 4  # exp_avg, exp_avg_sq
+    assert summary["peak_event"]["phase"] == "optimizer"
+    assert summary["peak_bytes"] == sum(categories.values())
+
+
+def test_demo_table_prints_gib(capsys):
+    assert main(TINY) == 0
+    out = capsys.readouterr().out
+    assert "GiB" in out and "optimizer_state" in out and "% of peak" in out
+
+
+def test_validate_json_matches_the_real_peak(capsys):
+    assert main(["validate", "--case", "mlp", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["real_peak_bytes"] == row["traced_peak_bytes"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (TINY[:-2] + ["--num-attention-heads", "5"],
+     "--num-attention-heads 5 must divide --hidden-size 64; try"),
+    (["demo", "--seq-length", "0"], "argument --seq-length: 0 must be a positive integer"),
+    (["demo", "--micro-batch-size", "two"], "argument --micro-batch-size: 'two' is not an integer"),
+    (["demo", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    (["demo", "--units", "GB"], "argument --units: invalid choice: 'GB'"),
+    (["validate", "--case", "nope"], "argument --case: invalid choice: 'nope'"),
+    (["estimate"], "argument COMMAND: invalid choice: 'estimate'"),
+    (["demo", "--tp", "2"], "unrecognized arguments: --tp 2"),
+])
+def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        code = main(argv)
+        raise SystemExit(code)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_every_flag_has_help():
+    parser = build_parser()
+    subparsers = parser._subparsers._group_actions[0].choices
+    for sub in subparsers.values():
+        for action in sub._actions:
+            assert action.help, f"{sub.prog} {action.option_strings} has no help"
+
+
+def test_units_whitelist():
+    assert to_units(3 * 2**30, "GiB") == 3.0
+    with pytest.raises(ValueError, match="units='GB' is invalid; choose one of B, KiB, MiB, GiB"):
+        to_units(1, "GB")
