@@ -322,10 +322,15 @@ class MemoryTracer(TorchDispatchMode):
         rec = _Storage(self._next_sid, key, raw, self._round(raw), category, module, phase, op,
                        t)
         self._next_sid += 1
-        rec.ref = weakref.ref(st, lambda _ref, key=key: self._on_storage_freed(key))
-        self._live[key] = rec
+        self._watch(st, rec)
         self._emit("alloc", rec.nbytes, rec, phase)
         return rec
+
+    def _watch(self, st: torch.UntypedStorage, rec: _Storage) -> None:
+        """Make ``rec`` the live record of ``st``, freed by a finalizer when ``st`` dies."""
+        key = rec.key = st._cdata
+        rec.ref = weakref.ref(st, lambda _ref: self._on_storage_freed(key))
+        self._live[key] = rec
 
     def _round(self, nbytes: int) -> int:
         if self.rounding is None or nbytes == 0:
@@ -505,19 +510,18 @@ class MemoryTracer(TorchDispatchMode):
         module = self._module_path(phase)
         op = self._op = func._name  # e.g. "aten::mm"
         mutable = func._schema.is_mutable
-        inputs = []
-        for t in _iter_tensors(args):
-            rec = self._register(t, Category.INPUT, module, phase, op)
-            if mutable and rec is not None:
-                inputs.append((t, rec))
-        for t in _iter_tensors(kwargs.values()):
+        inputs = []  # (tensor, record) of the inputs a mutating op may resize
+        for t in _iter_tensors((*args, *kwargs.values())):
             rec = self._register(t, Category.INPUT, module, phase, op)
             if mutable and rec is not None:
                 inputs.append((t, rec))
         try:
             out = func(*args, **kwargs)
         except Exception as error:
-            raise _missing_meta_kernel(func, args, kwargs, error) or error
+            missing = _missing_meta_kernel(func, args, kwargs, error)
+            if missing is None:
+                raise
+            raise missing from error
         if func is _ADD and phase is Phase.BACKWARD and _is_engine_inplace_sum(args, out):
             self._take_over(args[0], out)
         for t in _iter_tensors(out if isinstance(out, (list, tuple)) else (out,)):
@@ -533,13 +537,8 @@ class MemoryTracer(TorchDispatchMode):
         """``new`` is the storage the engine would not have allocated: give it ``old``'s
         record (same id, bytes and category), and let ``old``'s death pass unrecorded."""
         rec = self._live.pop(old.untyped_storage()._cdata, None)
-        if rec is None:
-            return
-        st = new.untyped_storage()
-        key = st._cdata
-        rec.key = key
-        rec.ref = weakref.ref(st, lambda _ref, key=key: self._on_storage_freed(key))
-        self._live[key] = rec
+        if rec is not None:
+            self._watch(new.untyped_storage(), rec)
 
     # ------------------------------------------------------------------ queries
     def _index(self, at: str | int) -> int:
