@@ -103,7 +103,8 @@ def _run_validate(args: argparse.Namespace) -> str:
                             "unseen_bytes": c.case.unseen_bytes,
                             "unseen_cause": c.case.unseen_cause} for c in comparisons], indent=2)
     notes = [f"- {c.case.name}: {c.case.unseen_cause}" for c in comparisons if c.case.unseen_cause]
-    return "\n".join([format_comparisons(comparisons), "", "Named unseen bytes:", *notes])
+    heading = ["", "Allocations below the dispatcher, by case:"] if notes else []
+    return "\n".join([format_comparisons(comparisons), *heading, *notes])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
