@@ -240,8 +240,15 @@ def test_queries_reject_an_unknown_point():
 
 
 def test_track_external_rejects_other_objects():
-    with pytest.raises(TracememError, match="track_external got a str"):
+    with pytest.raises(TracememError, match="track_external got an object of type str"):
         MemoryTracer().track_external("model.pt")
+
+
+def test_devices_accepts_a_name_or_names_and_rejects_unknown_ones():
+    assert MemoryTracer(devices="meta").devices == {"meta"}
+    assert MemoryTracer(devices=["cuda:0", "cpu"]).devices == {"cuda", "cpu"}
+    with pytest.raises(TracememError, match="devices: 'gpu' is not a device type"):
+        MemoryTracer(devices=["gpu"])
 
 
 def test_missing_meta_kernel_names_the_op_and_how_to_register_one():

@@ -24,16 +24,25 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors on one line (the message names the flag and the valid
+    values) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (a function, so tests can call it)."""
     from tracemem.examples import DTYPES, DemoConfig
     from tracemem.validation.cases import CASES
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tracemem",
         description="Exact training-memory figures from tracing real torch ops on the meta device.")
     parser.add_argument("--version", action="version", version=f"tracemem {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=_Parser)
 
     demo = sub.add_parser(
         "demo", help="trace one training step of a small built-in transformer and print what "
@@ -95,7 +104,7 @@ def _run_validate(args: argparse.Namespace) -> str:
     from tracemem.validation import compare_case, get_case
     from tracemem.validation.cases import CASES
 
-    cases = [get_case(name) for name in args.case] if args.case else list(CASES)
+    cases = [get_case(name) for name in dict.fromkeys(args.case)] if args.case else list(CASES)
     comparisons = [compare_case(case) for case in cases]
     if args.json:
         return json.dumps([{"case": c.case.name, "real_peak_bytes": c.real_peak_bytes,

@@ -42,8 +42,8 @@ def get_summary(tracer: MemoryTracer, top_modules: int = 10) -> dict[str, Any]:
     modules = tracer.by_module("peak")
     return {
         "peak_bytes": tracer.peak_bytes,
-        "baseline_bytes": tracer.baseline_bytes or 0,
-        "step_peak_bytes": tracer.peak_bytes - (tracer.baseline_bytes or 0),
+        "baseline_bytes": tracer.baseline_bytes,
+        "step_peak_bytes": tracer.peak_bytes - tracer.baseline_bytes,
         "peak_event": None if event is None else {
             "index": event.index, "phase": event.phase.value, "op": event.op,
             "module": event.module},
@@ -53,9 +53,16 @@ def get_summary(tracer: MemoryTracer, top_modules: int = 10) -> dict[str, Any]:
     }
 
 
-def _rows(totals: dict[str, int], total: int, units: str) -> list[list[Any]]:
-    return [[name or "(root)", nbytes, f"{to_units(nbytes, units):.3f}",
+def _rows(totals: dict[str, int], total: int, units: str) -> list[list[str]]:
+    # Numbers are formatted here (tabulate would re-parse "0.000" as 0 and switch large floats
+    # to scientific notation).
+    return [[name or "(root)", f"{nbytes:,}", f"{to_units(nbytes, units):,.3f}",
              f"{100 * nbytes / total:.1f}" if total else "0.0"] for name, nbytes in totals.items()]
+
+
+def _table(rows: list[list[Any]], headers: list[str]) -> str:
+    return tabulate(rows, headers=headers, disable_numparse=True,
+                    colalign=("left",) + ("right",) * (len(headers) - 1))
 
 
 def format_breakdown(tracer: MemoryTracer, units: str = "GiB", top_modules: int = 10) -> str:
@@ -68,23 +75,21 @@ def format_breakdown(tracer: MemoryTracer, units: str = "GiB", top_modules: int 
              f" (event {event['index']}: {event['phase']}, {event['op']}, "
              f"module {event['module'] or '(root)'})")
     lines = [
-        f"peak: {total} B = {to_units(total, units):.3f} {units}{where}",
-        f"alive before the step: {summary['baseline_bytes']} B; added by the step at its peak: "
-        f"{summary['step_peak_bytes']} B",
+        f"peak: {total:,} B = {to_units(total, units):,.3f} {units}{where}",
+        f"alive before the step: {summary['baseline_bytes']:,} B; added by the step at its "
+        f"peak: {summary['step_peak_bytes']:,} B",
         "",
-        tabulate(_rows(summary["by_category"], total, units), headers=["category"] + head,
-                 intfmt=","),
+        _table(_rows(summary["by_category"], total, units), ["category"] + head),
         "",
-        tabulate(_rows(summary["by_module"], total, units),
-                 headers=[f"module (top {top_modules})"] + head, intfmt=","),
+        _table(_rows(summary["by_module"], total, units), [f"module (top {top_modules})"] + head),
     ]
     return "\n".join(lines)
 
 
 def format_comparisons(comparisons: Sequence[Any]) -> str:
     """Real CPU peaks beside traced ones, one row per validation case (bytes)."""
-    rows = [[c.case.name, c.real_peak_bytes, c.traced_peak_bytes, c.gap_bytes,
-             c.case.unseen_bytes, "yes" if c.gap_bytes == c.case.unseen_bytes else "NO"]
-            for c in comparisons]
-    return tabulate(rows, headers=["case", "real peak B", "traced peak B", "real - traced B",
-                                   "named unseen B", "explained"], intfmt=",")
+    rows = [[c.case.name, f"{c.real_peak_bytes:,}", f"{c.traced_peak_bytes:,}",
+             f"{c.gap_bytes:,}", f"{c.case.unseen_bytes:,}",
+             "yes" if c.gap_bytes == c.case.unseen_bytes else "NO"] for c in comparisons]
+    return _table(rows, ["case", "real peak B", "traced peak B", "real - traced B",
+                         "named unseen B", "explained"])

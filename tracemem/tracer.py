@@ -190,11 +190,12 @@ class MemoryTracer(TorchDispatchMode):
         rounding: ``None`` counts exact storage bytes (what the CPU allocator reports);
             ``512`` rounds each storage up to a multiple of 512 bytes, as the CUDA caching
             allocator does (``round_size`` in c10/cuda/CUDACachingAllocator.cpp).
-        devices: device types whose storages are counted (e.g. ``{"meta"}`` for the
+        devices: device type or types whose storages are counted (e.g. ``"meta"`` for the
             accelerator being estimated); ``None`` counts every device.
 
     Raises:
-        TracememError: ``rounding`` is not ``None`` or a positive int, or ``at`` is invalid.
+        TracememError: ``rounding`` is not ``None`` or a positive int, ``devices`` names an
+            unknown device type, or ``at`` is invalid.
         MissingMetaKernelError: an operator has no meta kernel (raised from the traced op).
 
     Example::
@@ -231,12 +232,13 @@ class MemoryTracer(TorchDispatchMode):
                 f"rounding={rounding!r} is invalid; use None (exact bytes) or a positive int "
                 f"such as {CUDA_MIN_BLOCK_SIZE} (CUDA caching allocator block size)")
         self.rounding = rounding
-        self.devices = None if devices is None else frozenset(devices)
+        self.devices = None if devices is None else _device_types(devices)
         self.events: list[MemoryEvent] = []
         self.current_bytes = 0
         self.peak_bytes = 0
         self.peak_event_index: int | None = None
-        self.baseline_bytes: int | None = None
+        self.baseline_bytes = 0  # set on the first entry
+        self._entered = False
         self._live: dict[int, _Storage] = {}  # StorageImpl address -> record
         self._next_sid = 0
         self._inside = False
@@ -276,8 +278,10 @@ class MemoryTracer(TorchDispatchMode):
                 self.track_external(*obj)
             elif obj is not None:
                 raise TracememError(
-                    f"track_external got a {type(obj).__name__}; it takes nn.Module, "
-                    f"torch.optim.Optimizer, Tensor, or lists/tuples/dicts of them")
+                    f"track_external got an object of type {type(obj).__name__}; it takes "
+                    f"nn.Module, "
+                    f"torch.optim.Optimizer, Tensor, or lists/tuples/dicts of them (None is "
+                    f"skipped)")
 
     def _track_module(self, module: nn.Module) -> None:
         for name, mod in module.named_modules(remove_duplicate=False):
@@ -473,8 +477,9 @@ class MemoryTracer(TorchDispatchMode):
 
     # ------------------------------------------------------------------ the mode
     def __enter__(self) -> MemoryTracer:
-        if self.baseline_bytes is None:
+        if not self._entered:
             self.baseline_bytes = self.current_bytes
+            self._entered = True
         self._inside = True
         self._handles = [
             nn.modules.module.register_module_forward_pre_hook(self._forward_pre_hook),
@@ -577,6 +582,23 @@ class MemoryTracer(TorchDispatchMode):
     def by_phase(self, at: str | int = "peak") -> dict[str, int]:
         """Bytes alive at ``at`` per phase in which the storage was born."""
         return _group(self.live_at(at), lambda info: info.phase.value)
+
+
+def _device_types(devices: str | Iterable[str]) -> frozenset[str]:
+    """Device types from a name or names ("meta", "cuda:0" -> "cuda").
+
+    Raises:
+        TracememError: a name torch does not know.
+    """
+    names = [devices] if isinstance(devices, str) else list(devices)
+    types = set()
+    for name in names:
+        try:
+            types.add(torch.device(name).type)
+        except (RuntimeError, TypeError):
+            raise TracememError(f"devices: {name!r} is not a device type; use names such as "
+                                f"'meta', 'cuda', 'cpu'") from None
+    return frozenset(types)
 
 
 def _group(infos: list[StorageInfo], key) -> dict[str, int]:
