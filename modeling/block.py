@@ -1,0 +1,42 @@
+"""A decoder layer: ``x + attn(attn_norm(x))``, then ``+ ffn(ffn_norm(x))`` where the FFN is
+a dense SwiGLU MLP for the first ``first_k_dense_replace`` layers and an MoE after
+(DeepSeek-V3 ``Block``)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from modeling.config import ModelConfig
+from modeling.mla import MLA
+from modeling.mlp import MLP
+from modeling.moe import MoE
+from modeling.routing import RoutingModel
+
+__all__ = ["Block"]
+
+
+class Block(nn.Module):
+    """Decoder layer ``layer_id`` (0-based, global: it decides dense vs MoE and the routing
+    model's per-layer counts). Input and output ``(b, s, h)``."""
+
+    def __init__(self, layer_id: int, cfg: ModelConfig, attention: str = "flash",
+                 experts: str = "grouped"):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.attn = MLA(cfg, attention)
+        self.ffn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.is_moe_layer(layer_id):
+            self.ffn = MoE(cfg, experts)
+        else:
+            self.ffn = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        h = self.ffn_norm(x)
+        if isinstance(self.ffn, MoE):
+            cfg = self.ffn.cfg
+            counts = routing.counts(h.shape[0] * h.shape[1], cfg.num_experts_per_tok,
+                                    cfg.num_routed_experts, self.layer_id)
+            return x + self.ffn(h, [counts[e] for e in self.ffn.expert_ids])
+        return x + self.ffn(h)

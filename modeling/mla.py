@@ -1,0 +1,100 @@
+"""Multi-head Latent Attention (DeepSeek-V2 / V3), the training form (no KV cache).
+
+Queries: ``wq_b(q_norm(wq_a(x)))`` (or ``wq(x)`` when q_lora_rank is None, as in V2-Lite).
+Keys and values: ``wkv_a`` makes the compressed latent (kv_lora_rank) and the decoupled RoPE
+key (qk_rope_head_dim, one shared by all heads); ``wkv_b(kv_norm(latent))`` makes per-head
+no-RoPE keys and values. Module names follow DeepSeek-V3's ``inference/model.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from modeling.config import ModelConfig
+from tracemem.errors import TracememError
+
+__all__ = ["MLA", "ATTENTION_KERNELS", "apply_rope"]
+
+ATTENTION_KERNELS = ("flash", "eager")
+
+
+def apply_rope(x: Tensor, inv_freq: Tensor) -> Tensor:
+    """Rotate ``x`` ``(b, s, n, d_r)`` by position (rotate-half form). Positions are
+    0..s-1; ``inv_freq`` is ``(d_r / 2,)``."""
+    s = x.shape[1]
+    positions = torch.arange(s, device=x.device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # (s, d_r / 2)
+    cos = angles.cos().repeat(1, 2)[None, :, None, :].to(x.dtype)  # (1, s, 1, d_r)
+    sin = angles.sin().repeat(1, 2)[None, :, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class MLA(nn.Module):
+    """Multi-head Latent Attention.
+
+    Args:
+        cfg: the model config.
+        attention: ``"eager"`` materialises the (b, n_h, s, s) scores and probabilities, as
+            arXiv 2502.07846 counts them; ``"flash"`` calls a fused kernel that keeps only the
+            output and the log-sum-exp for backward. MLA's value head (128) is narrower than
+            its query/key head (192), which aten's FlashAttention-2 op rejects, so "flash" calls
+            ``aten._scaled_dot_product_efficient_attention`` (output (b, n_h, s, d_v), logsumexp
+            (b, n_h, ceil(s / 32) * 32) fp32), the same storages FlashAttention-3 keeps.
+        num_heads: heads on this rank (TP shards heads); default all.
+
+    Input and output ``(b, s, h)``.
+
+    Raises:
+        TracememError: unknown ``attention``.
+    """
+
+    def __init__(self, cfg: ModelConfig, attention: str = "flash", num_heads: int | None = None):
+        super().__init__()
+        if attention not in ATTENTION_KERNELS:
+            raise TracememError(f"--attention {attention!r} is invalid; choose one of "
+                                f"{', '.join(ATTENTION_KERNELS)}")
+        self.attention = attention
+        self.num_heads = num_heads or cfg.num_attention_heads
+        self.nope_dim, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.qk_head_dim, self.v_head_dim = cfg.qk_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scale = self.qk_head_dim ** -0.5
+        h, n = cfg.hidden_size, self.num_heads
+        if cfg.q_lora_rank is None:
+            self.wq = nn.Linear(h, n * self.qk_head_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, n * self.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=cfg.rms_norm_eps)
+        self.wkv_b = nn.Linear(self.kv_lora_rank, n * (self.nope_dim + self.v_head_dim),
+                               bias=False)
+        self.wo = nn.Linear(n * self.v_head_dim, h, bias=False)
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, self.rope_dim, 2, dtype=torch.float32)
+                                      / self.rope_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (d_r / 2,)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(b, s, -1, self.qk_head_dim)  # (b, s, n_h, qk_head_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_pe, self.inv_freq)], dim=-1)
+        kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_pe = apply_rope(k_pe.unsqueeze(2), self.inv_freq)  # (b, s, 1, d_r)
+        kv = self.wkv_b(self.kv_norm(kv)).view(b, s, -1, self.nope_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)  # (b, s, n_h, d)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, n_h, s, d)
+        if self.attention == "eager":
+            scores = (q @ k.transpose(-2, -1)) * self.scale  # (b, n_h, s, s)
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+            probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)
+            out = probs.to(v.dtype) @ v  # (b, n_h, s, v_head_dim)
+        else:
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, 0.0, True, scale=self.scale)[0]
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))

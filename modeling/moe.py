@@ -1,0 +1,142 @@
+"""Mixture of experts: router (``gate``), routed experts, shared experts.
+
+The forward never reads tensor values: how many token-slots each local expert receives comes
+from a routing model (``modeling.routing``) as a list of ints. The router's logits, scores,
+group scores and top-k still run, with their true shapes, for their memory. On real tensors the
+dispatch order is the real one (an argsort of the router's top-k expert ids), so a real run
+whose counts are the true histogram of its router computes exactly what an ordinary MoE does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from modeling.config import ModelConfig
+from modeling.mlp import MLP
+from tracemem.errors import TracememError
+
+__all__ = ["Gate", "GroupedExperts", "MoE", "EXPERT_KERNELS"]
+
+EXPERT_KERNELS = ("grouped", "sequential")
+
+
+class Gate(nn.Module):
+    """The router. V3: sigmoid scores plus a per-expert correction bias (a buffer: no gradient,
+    no optimizer state) used only to pick experts, group-limited top-k (groups ranked by the sum
+    of their two best scores), weights from the unbiased scores, renormalised. V2: softmax
+    scores, greedy or group-limited (groups ranked by their best score) top-k.
+
+    Input ``(T, h)``; returns weights ``(T, k)`` (routed_scaling_factor applied) and expert ids
+    ``(T, k)`` (int64).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_routed_experts, cfg.hidden_size))
+        if cfg.has_correction_bias:
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(cfg.num_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        cfg = self.cfg
+        logits = F.linear(x, self.weight)  # (T, E)
+        if cfg.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1, dtype=torch.float32)
+        original = scores
+        if cfg.has_correction_bias:
+            scores = scores + self.e_score_correction_bias
+        if cfg.topk_method != "greedy" and cfg.num_expert_groups > 1:
+            grouped = scores.view(x.shape[0], cfg.num_expert_groups, -1)  # (T, G, E / G)
+            if cfg.has_correction_bias:
+                group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # (T, G)
+            else:
+                group_scores = grouped.amax(dim=-1)
+            keep = group_scores.topk(cfg.topk_group, dim=-1)[1]  # (T, topk_group)
+            mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
+            scores = grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(1)
+        ids = scores.topk(cfg.num_experts_per_tok, dim=-1)[1]  # (T, k)
+        weights = original.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights * cfg.routed_scaling_factor).type_as(x), ids
+
+
+class GroupedExperts(nn.Module):
+    """All local experts as three stacked weights, run with one grouped GEMM each
+    (``torch._grouped_mm``; torchtitan's ``GroupedExperts``). Input ``(sum(counts), h)``
+    sorted by expert."""
+
+    def __init__(self, num_experts: int, dim: int, inter_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
+
+    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+        offsets = torch.tensor(_cumsum(counts), dtype=torch.int32, device=x.device)
+        h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets))
+        h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
+
+
+def _cumsum(counts: list[int]) -> list[int]:
+    out, total = [], 0
+    for c in counts:
+        total += c
+        out.append(total)
+    return out
+
+
+class MoE(nn.Module):
+    """Router + routed experts + shared experts.
+
+    Args:
+        cfg: the model config.
+        experts: ``"grouped"`` (one grouped GEMM over the local experts; needs bfloat16) or
+            ``"sequential"`` (one ``MLP`` per expert, ``experts.{i}``).
+        expert_ids: the routed experts held here (EP shards them); default all.
+
+    ``forward(x, counts)``: ``x`` ``(b, s, h)``; ``counts`` the token-slots each local expert
+    receives, summing to the b * s * top_k slots when all experts are local.
+    """
+
+    def __init__(self, cfg: ModelConfig, experts: str = "grouped",
+                 expert_ids: range | None = None):
+        super().__init__()
+        if experts not in EXPERT_KERNELS:
+            raise TracememError(f"--experts {experts!r} is invalid; choose one of "
+                                f"{', '.join(EXPERT_KERNELS)}")
+        self.cfg = cfg
+        self.expert_ids = expert_ids or range(cfg.num_routed_experts)
+        n, h, inter = len(self.expert_ids), cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Gate(cfg)
+        if experts == "grouped":
+            self.experts = GroupedExperts(n, h, inter)
+        else:
+            self.experts = nn.ModuleList(MLP(h, inter) for _ in range(n))
+        self.shared_experts = (MLP(h, cfg.num_shared_experts * inter)
+                               if cfg.num_shared_experts else None)
+
+    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+        shape = x.shape
+        x = x.view(-1, shape[-1])  # (T, h)
+        k = self.cfg.num_experts_per_tok
+        weights, ids = self.gate(x)  # (T, k) each
+        order = ids.view(-1).argsort(stable=True)  # token-slots sorted by expert, (T * k,)
+        token = order // k  # the token of each sorted slot
+        routed_in = x.index_select(0, token)  # (T * k, h), grouped by expert
+        if isinstance(self.experts, GroupedExperts):
+            routed_out = self.experts(routed_in, counts)
+        else:
+            routed_out = torch.cat([expert(chunk) for expert, chunk in
+                                    zip(self.experts, routed_in.split(counts))])
+        routed_out = routed_out * weights.view(-1).index_select(0, order).unsqueeze(-1)
+        y = torch.zeros_like(x).index_add(0, token, routed_out)  # combine, (T, h)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.view(shape)

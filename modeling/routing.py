@@ -1,0 +1,207 @@
+"""Routing models: how many token-slots each routed expert receives.
+
+Meta tensors have no values, so a router's top-k cannot say where tokens go. A routing model
+turns (tokens, top-k, experts, layer) into per-expert counts that sum to tokens * top_k (every
+token goes to top_k distinct experts, so no expert can receive more than ``tokens``). The
+router's logits, scores and top-k tensors are still computed, with their true shapes, for their
+memory.
+
+Specs (``parse_routing``):
+- ``balanced``: total = T * k split as evenly as integers allow: every expert gets
+  floor(total / E), the first total mod E experts one more.
+- ``zipf:ALPHA``: expert of rank r (1-based, in an order shuffled per layer by the seed) gets a
+  share proportional to r^-ALPHA.
+- ``hot:K:FRACTION``: K experts (chosen per layer by the seed) share FRACTION of the
+  assignments equally; the others share the rest equally.
+- ``counts:FILE``: a JSON list of per-expert counts (must sum to T * k) or fractions (summing
+  to 1), applied to every MoE layer; or an object mapping layer number (as a string) to such a
+  list.
+
+Shares become integer counts by largest-remainder apportionment (Hamilton's method), then any
+count above T is capped at T and the excess handed to the experts with most room, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tracemem.errors import TracememError
+
+__all__ = ["RoutingModel", "Balanced", "Zipf", "Hot", "Counts", "parse_routing", "apportion"]
+
+ROUTING_HELP = "balanced, zipf:ALPHA, hot:K:FRACTION or counts:FILE"
+
+
+def apportion(shares: Sequence[float], total: int, cap: int) -> list[int]:
+    """Integer counts proportional to ``shares`` that sum to ``total``, none above ``cap``.
+
+    Largest-remainder apportionment; ties go to the lower index. Requires
+    ``cap * len(shares) >= total``.
+    """
+    weight = sum(shares)
+    exact = [total * s / weight for s in shares]
+    counts = [int(x) for x in exact]
+    order = sorted(range(len(shares)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[:total - sum(counts)]:
+        counts[i] += 1
+    excess = sum(max(0, c - cap) for c in counts)
+    counts = [min(c, cap) for c in counts]
+    while excess:  # hand capped slots to the experts with most room, largest share first
+        for i in sorted(range(len(shares)), key=lambda i: (-shares[i], i)):
+            if excess and counts[i] < cap:
+                counts[i] += 1
+                excess -= 1
+    return counts
+
+
+class RoutingModel:
+    """Per-expert token-slot counts for one MoE layer."""
+
+    spec: str
+
+    def counts(self, num_tokens: int, top_k: int, num_experts: int, layer: int) -> list[int]:
+        """Counts for ``num_experts`` experts of layer ``layer``, summing to num_tokens * top_k,
+        each at most ``num_tokens``."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Balanced(RoutingModel):
+    spec: str = "balanced"
+
+    def counts(self, num_tokens, top_k, num_experts, layer):
+        total = num_tokens * top_k
+        base, extra = divmod(total, num_experts)
+        return [base + (1 if e < extra else 0) for e in range(num_experts)]
+
+
+@dataclass(frozen=True)
+class Zipf(RoutingModel):
+    alpha: float
+    seed: int = 0
+
+    @property
+    def spec(self) -> str:
+        return f"zipf:{self.alpha}"
+
+    def counts(self, num_tokens, top_k, num_experts, layer):
+        rank = list(range(num_experts))
+        random.Random(f"{self.seed}:{layer}").shuffle(rank)  # rank[e] = 0-based rank of e
+        shares = [(rank[e] + 1) ** -self.alpha for e in range(num_experts)]
+        return apportion(shares, num_tokens * top_k, num_tokens)
+
+
+@dataclass(frozen=True)
+class Hot(RoutingModel):
+    num_hot: int
+    fraction: float
+    seed: int = 0
+
+    @property
+    def spec(self) -> str:
+        return f"hot:{self.num_hot}:{self.fraction}"
+
+    def counts(self, num_tokens, top_k, num_experts, layer):
+        if self.num_hot > num_experts:
+            raise TracememError(f"--routing {self.spec}: K={self.num_hot} hot experts exceeds "
+                                f"the {num_experts} routed experts")
+        hot = set(random.Random(f"{self.seed}:{layer}").sample(range(num_experts), self.num_hot))
+        cold = num_experts - self.num_hot
+        shares = [self.fraction / self.num_hot if e in hot else
+                  (1 - self.fraction) / cold if cold else 0.0 for e in range(num_experts)]
+        return apportion(shares, num_tokens * top_k, num_tokens)
+
+
+@dataclass(frozen=True)
+class Counts(RoutingModel):
+    """Given counts (or fractions): one list for every layer, or one per layer number."""
+
+    per_layer: dict[int, tuple[float, ...]] | None = None
+    default: tuple[float, ...] | None = None
+    source: str = "counts"
+
+    @property
+    def spec(self) -> str:
+        return f"counts:{self.source}"
+
+    def counts(self, num_tokens, top_k, num_experts, layer):
+        values = (self.per_layer or {}).get(layer, self.default)
+        if values is None:
+            raise TracememError(f"--routing {self.spec}: no counts for MoE layer {layer}")
+        if len(values) != num_experts:
+            raise TracememError(f"--routing {self.spec}: layer {layer} has {len(values)} "
+                                f"counts; the model has {num_experts} routed experts")
+        total = num_tokens * top_k
+        if all(float(v).is_integer() for v in values) and sum(values) != 1:
+            if sum(values) != total:
+                raise TracememError(
+                    f"--routing {self.spec}: layer {layer} counts sum to {int(sum(values))}; "
+                    f"tokens * top_k = {num_tokens} * {top_k} = {total}")
+            if max(values) > num_tokens:
+                raise TracememError(
+                    f"--routing {self.spec}: layer {layer} gives an expert {int(max(values))} "
+                    f"token-slots, more than the {num_tokens} tokens")
+            return [int(v) for v in values]
+        if abs(sum(values) - 1) > 1e-6:
+            raise TracememError(f"--routing {self.spec}: layer {layer} fractions sum to "
+                                f"{sum(values)}, not 1")
+        return apportion(list(values), total, num_tokens)
+
+
+def _load_counts(path: str) -> Counts:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise TracememError(f"--routing counts:{path}: cannot read: {error}") from None
+    except json.JSONDecodeError as error:
+        raise TracememError(f"--routing counts:{path}: malformed JSON: {error}") from None
+
+    def as_list(values, where: str) -> tuple[float, ...]:
+        if not isinstance(values, list) or not values or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+                for v in values):
+            raise TracememError(f"--routing counts:{path}: {where} must be a non-empty list "
+                                f"of non-negative numbers")
+        return tuple(values)
+
+    if isinstance(data, dict):
+        try:
+            per_layer = {int(k): as_list(v, f"layer {k!r}") for k, v in data.items()}
+        except ValueError:
+            raise TracememError(f"--routing counts:{path}: object keys must be layer numbers"
+                                ) from None
+        return Counts(per_layer=per_layer, source=path)
+    return Counts(default=as_list(data, "the file"), source=path)
+
+
+def parse_routing(spec: str, seed: int = 0) -> RoutingModel:
+    """The routing model named by ``spec`` (see the module docstring).
+
+    Raises:
+        TracememError: unknown model or bad parameters; the message lists the valid forms.
+    """
+    kind, _, rest = spec.partition(":")
+    try:
+        if kind == "balanced" and not rest:
+            return Balanced()
+        if kind == "zipf":
+            alpha = float(rest)
+            if alpha < 0:
+                raise ValueError
+            return Zipf(alpha, seed)
+        if kind == "hot":
+            k, fraction = rest.split(":")
+            num_hot, fraction = int(k), float(fraction)
+            if num_hot <= 0 or not 0 <= fraction <= 1:
+                raise ValueError
+            return Hot(num_hot, fraction, seed)
+        if kind == "counts" and rest:
+            return _load_counts(rest)
+    except ValueError:
+        pass
+    raise TracememError(f"--routing {spec!r} is invalid; use {ROUTING_HELP} (ALPHA >= 0, "
+                        f"K a positive integer, 0 <= FRACTION <= 1)")
