@@ -201,7 +201,9 @@ def parse_routing(spec: str, seed: int = 0) -> RoutingModel:
             return Hot(num_hot, fraction, seed)
         if kind == "counts" and rest:
             return _load_counts(rest)
-    except ValueError:
+    except TracememError:
+        raise
+    except ValueError:  # float("x"), int("x"), a missing ":" part, a value out of range
         pass
     raise TracememError(f"--routing {spec!r} is invalid; use {ROUTING_HELP} (ALPHA >= 0, "
                         f"K a positive integer, 0 <= FRACTION <= 1)")

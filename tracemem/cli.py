@@ -7,6 +7,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from tabulate import tabulate
+
 from tracemem import __version__
 from tracemem.errors import TracememError
 from tracemem.report import UNITS, format_breakdown, format_comparisons, get_summary
@@ -65,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="parameter and activation dtype (default %(default)s)")
     _add_output_flags(demo)
 
+    params = sub.add_parser(
+        "params", help="count a model's parameters: total, activated per token, per component")
+    params.add_argument("--model", required=True,
+                        help="a preset (deepseek-v3, deepseek-v2, deepseek-v2-lite, "
+                             "deepseek-tiny) or the path of a Hugging Face config.json")
+    params.add_argument("--json", action="store_true",
+                        help="print JSON (element counts) instead of a table")
+
     validate = sub.add_parser(
         "validate", help="run the validation cases for real on CPU under torch.profiler and "
                          "traced on meta, and print both peaks")
@@ -100,6 +110,31 @@ def _run_demo(args: argparse.Namespace) -> str:
     return title + "\n\n" + format_breakdown(tracer, units=args.units)
 
 
+def _run_params(args: argparse.Namespace) -> str:
+    from modeling.config import load_config
+    from modeling.model import build_model
+    from modeling.params import count_activated, count_by_component, count_total
+
+    cfg = load_config(args.model)
+    model = build_model(cfg, "meta")
+    result = {
+        "model": cfg.name,
+        "total": count_total(model, include_mtp=False),
+        "total_with_mtp": count_total(model, include_mtp=True),
+        "activated_per_token": count_activated(model, cfg),
+        "by_component": count_by_component(model),
+    }
+    if args.json:
+        return json.dumps(result, indent=2)
+    rows = [[name, f"{count:,}"] for name, count in result["by_component"].items()]
+    rows += [["total (main model)", f"{result['total']:,}"],
+             ["total with MTP modules", f"{result['total_with_mtp']:,}"],
+             ["activated per token (main model)", f"{result['activated_per_token']:,}"]]
+    return (f"{cfg.name}: parameters and persistent buffers, in elements\n\n"
+            + tabulate(rows, headers=["component", "count"], disable_numparse=True,
+                       colalign=("left", "right")))
+
+
 def _run_validate(args: argparse.Namespace) -> str:
     from tracemem.validation import compare_case, get_case
     from tracemem.validation.cases import CASES
@@ -121,7 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        out = {"demo": _run_demo, "validate": _run_validate}[args.command](args)
+        commands = {"demo": _run_demo, "params": _run_params, "validate": _run_validate}
+        out = commands[args.command](args)
     except TracememError as error:
         print(f"tracemem: error: {error}".splitlines()[0], file=sys.stderr)
         return 2

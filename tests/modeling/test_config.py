@@ -1,0 +1,85 @@
+"""ModelConfig loading: presets, Hugging Face config.json files, and clear errors.
+
+Reference: the official Hugging Face configs of deepseek-ai/DeepSeek-V3, DeepSeek-V2 and
+DeepSeek-V2-Lite (values copied into the presets), and the rules in the issue.
+"""
+
+import json
+
+import pytest
+
+from modeling.config import PRESETS, load_config
+from tracemem.errors import TracememError
+
+
+def test_presets_carry_the_official_sizes():
+    v3 = load_config("deepseek-v3")
+    assert (v3.hidden_size, v3.num_layers, v3.num_routed_experts, v3.num_experts_per_tok,
+            v3.first_k_dense_replace, v3.vocab_size, v3.num_mtp_modules) == \
+        (7168, 61, 256, 8, 3, 129280, 1)
+    assert (v3.qk_head_dim, v3.v_head_dim, v3.q_lora_rank, v3.kv_lora_rank) == (192, 128, 1536, 512)
+    assert v3.scoring_func == "sigmoid" and v3.has_correction_bias
+    lite = load_config("deepseek-v2-lite")
+    assert lite.q_lora_rank is None and lite.num_mtp_modules == 0
+    assert [load_config(p).name for p in PRESETS] == list(PRESETS)
+
+
+def test_moe_layers_follow_first_k_dense_replace():
+    v3 = load_config("deepseek-v3")
+    assert [v3.is_moe_layer(i) for i in range(5)] == [False, False, False, True, True]
+
+
+def _write(tmp_path, **changes):
+    data = json.loads(_preset_text("deepseek-v2-lite"))
+    data.update(changes)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in data.items() if v is not _DROP}))
+    return path
+
+
+_DROP = object()
+
+
+def _preset_text(name):
+    from importlib import resources
+    return resources.files("modeling.presets").joinpath(f"{name}.json").read_text()
+
+
+def test_a_config_file_loads_and_unknown_keys_are_ignored(tmp_path):
+    path = _write(tmp_path, rope_scaling={"type": "yarn"}, some_future_key=3)
+    cfg = load_config(path)
+    assert cfg.name == str(path) and cfg.hidden_size == 2048
+
+
+def test_missing_required_key_names_the_key_and_the_file(tmp_path):
+    path = _write(tmp_path, kv_lora_rank=_DROP)
+    with pytest.raises(TracememError, match=rf"{path}: required key 'kv_lora_rank' is missing"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("hidden_size", "2048", "hidden_size='2048' must be an integer"),
+    ("hidden_size", 0, "hidden_size=0 must be a positive integer"),
+    ("num_experts_per_tok", True, "num_experts_per_tok=True must be an integer"),
+    ("q_lora_rank", -1, "q_lora_rank=-1 must be a positive integer or null"),
+    ("scoring_func", "relu", "scoring_func='relu' is invalid; it must be one of softmax, sigmoid"),
+    ("num_experts_per_tok", 65, "num_experts_per_tok=65 is invalid; it must be at most "
+                                "n_routed_experts \\(64\\)"),
+    ("n_group", 5, "n_group=5 is invalid; it must be a divisor of n_routed_experts \\(64\\)"),
+])
+def test_ill_typed_or_invalid_values_are_clear_errors(tmp_path, key, value, message):
+    path = _write(tmp_path, **{key: value})
+    with pytest.raises(TracememError, match=message):
+        load_config(path)
+
+
+def test_malformed_json_and_unknown_model_are_clear_errors(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(TracememError, match="config.json: malformed JSON"):
+        load_config(bad)
+    with pytest.raises(TracememError, match="--model 'deepseek-v4' is neither a preset"):
+        load_config("deepseek-v4")
+    bad.write_text("[1, 2]")
+    with pytest.raises(TracememError, match="expected a JSON object, got list"):
+        load_config(bad)
