@@ -27,16 +27,11 @@ class Block(nn.Module):
         self.attn = MLA(cfg, attention)
         self.ffn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         if cfg.is_moe_layer(layer_id):
-            self.ffn = MoE(cfg, experts)
+            self.ffn = MoE(cfg, experts, layer_id=layer_id)
         else:
             self.ffn = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
         x = x + self.attn(self.attn_norm(x))
         h = self.ffn_norm(x)
-        if isinstance(self.ffn, MoE):
-            cfg = self.ffn.cfg
-            counts = routing.counts(h.shape[0] * h.shape[1], cfg.num_experts_per_tok,
-                                    cfg.num_routed_experts, self.layer_id)
-            return x + self.ffn(h, [counts[e] for e in self.ffn.expert_ids])
-        return x + self.ffn(h)
+        return x + (self.ffn(h, routing) if isinstance(self.ffn, MoE) else self.ffn(h))

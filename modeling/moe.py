@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from modeling.config import ModelConfig
 from modeling.mlp import MLP
+from modeling.routing import RoutingModel
 from tracemem.errors import TracememError
 
 __all__ = ["Gate", "GroupedExperts", "MoE", "EXPERT_KERNELS"]
@@ -101,17 +102,22 @@ class MoE(nn.Module):
             ``"sequential"`` (one ``MLP`` per expert, ``experts.{i}``).
         expert_ids: the routed experts held here (EP shards them); default all.
 
-    ``forward(x, counts)``: ``x`` ``(b, s, h)``; ``counts`` the token-slots each local expert
-    receives, summing to the b * s * top_k slots when all experts are local.
+        layer_id: the global layer number, passed to the routing model.
+
+    ``forward(x, routing)``: ``x`` ``(b, s, h)``; ``routing`` says how many token-slots each
+    expert receives (asked after the router has run, so a routing model that observes real
+    router outputs can answer); the local experts' counts sum to the b * s * top_k slots when
+    all experts are local.
     """
 
     def __init__(self, cfg: ModelConfig, experts: str = "grouped",
-                 expert_ids: range | None = None):
+                 expert_ids: range | None = None, layer_id: int = 0):
         super().__init__()
         if experts not in EXPERT_KERNELS:
             raise TracememError(f"--experts {experts!r} is invalid; choose one of "
                                 f"{', '.join(EXPERT_KERNELS)}")
         self.cfg = cfg
+        self.layer_id = layer_id
         self.expert_ids = expert_ids or range(cfg.num_routed_experts)
         n, h, inter = len(self.expert_ids), cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Gate(cfg)
@@ -122,11 +128,14 @@ class MoE(nn.Module):
         self.shared_experts = (MLP(h, cfg.num_shared_experts * inter)
                                if cfg.num_shared_experts else None)
 
-    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+    def forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
         shape = x.shape
         x = x.view(-1, shape[-1])  # (T, h)
         k = self.cfg.num_experts_per_tok
         weights, ids = self.gate(x)  # (T, k) each
+        all_counts = routing.counts(x.shape[0], k, self.cfg.num_routed_experts, self.layer_id,
+                                    expert_ids=ids)
+        counts = [all_counts[e] for e in self.expert_ids]
         order = ids.view(-1).argsort(stable=True)  # token-slots sorted by expert, (T * k,)
         token = order // k  # the token of each sorted slot
         routed_in = x.index_select(0, token)  # (T * k, h), grouped by expert

@@ -29,9 +29,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from torch import Tensor
+
 from tracemem.errors import TracememError
 
-__all__ = ["RoutingModel", "Balanced", "Zipf", "Hot", "Counts", "parse_routing", "apportion"]
+__all__ = ["RoutingModel", "Balanced", "Zipf", "Hot", "Counts", "Observed", "parse_routing",
+           "apportion"]
 
 ROUTING_HELP = "balanced, zipf:ALPHA, hot:K:FRACTION or counts:FILE"
 
@@ -63,9 +67,11 @@ class RoutingModel:
 
     spec: str
 
-    def counts(self, num_tokens: int, top_k: int, num_experts: int, layer: int) -> list[int]:
+    def counts(self, num_tokens: int, top_k: int, num_experts: int, layer: int,
+               expert_ids: Tensor | None = None) -> list[int]:
         """Counts for ``num_experts`` experts of layer ``layer``, summing to num_tokens * top_k,
-        each at most ``num_tokens``."""
+        each at most ``num_tokens``. ``expert_ids`` ``(tokens, top_k)`` is the router's choice;
+        only ``Observed`` reads it."""
         raise NotImplementedError
 
 
@@ -73,7 +79,7 @@ class RoutingModel:
 class Balanced(RoutingModel):
     spec: str = "balanced"
 
-    def counts(self, num_tokens, top_k, num_experts, layer):
+    def counts(self, num_tokens, top_k, num_experts, layer, expert_ids=None):
         total = num_tokens * top_k
         base, extra = divmod(total, num_experts)
         return [base + (1 if e < extra else 0) for e in range(num_experts)]
@@ -88,7 +94,7 @@ class Zipf(RoutingModel):
     def spec(self) -> str:
         return f"zipf:{self.alpha}"
 
-    def counts(self, num_tokens, top_k, num_experts, layer):
+    def counts(self, num_tokens, top_k, num_experts, layer, expert_ids=None):
         rank = list(range(num_experts))
         random.Random(f"{self.seed}:{layer}").shuffle(rank)  # rank[e] = 0-based rank of e
         shares = [(rank[e] + 1) ** -self.alpha for e in range(num_experts)]
@@ -105,7 +111,7 @@ class Hot(RoutingModel):
     def spec(self) -> str:
         return f"hot:{self.num_hot}:{self.fraction}"
 
-    def counts(self, num_tokens, top_k, num_experts, layer):
+    def counts(self, num_tokens, top_k, num_experts, layer, expert_ids=None):
         if self.num_hot > num_experts:
             raise TracememError(f"--routing {self.spec}: K={self.num_hot} hot experts exceeds "
                                 f"the {num_experts} routed experts")
@@ -128,7 +134,7 @@ class Counts(RoutingModel):
     def spec(self) -> str:
         return f"counts:{self.source}"
 
-    def counts(self, num_tokens, top_k, num_experts, layer):
+    def counts(self, num_tokens, top_k, num_experts, layer, expert_ids=None):
         values = (self.per_layer or {}).get(layer, self.default)
         if values is None:
             raise TracememError(f"--routing {self.spec}: no counts for MoE layer {layer}")
@@ -150,6 +156,30 @@ class Counts(RoutingModel):
             raise TracememError(f"--routing {self.spec}: layer {layer} fractions sum to "
                                 f"{sum(values)}, not 1")
         return apportion(list(values), total, num_tokens)
+
+
+class Observed(RoutingModel):
+    """The router's real choice, for runs on real tensors: counts are the histogram of
+    ``expert_ids`` (a ``bincount`` and a ``.tolist()``, which cannot run on meta). The counts
+    of every layer are kept in ``recorded``, so ``as_counts()`` replays them on meta."""
+
+    spec = "observed"
+
+    def __init__(self) -> None:
+        self.recorded: dict[int, list[int]] = {}
+
+    def counts(self, num_tokens, top_k, num_experts, layer, expert_ids=None):
+        if expert_ids is None or expert_ids.device.type == "meta":
+            raise TracememError("routing 'observed' needs the router's real output; on the "
+                                f"meta device use {ROUTING_HELP}")
+        counts = torch.bincount(expert_ids.flatten(), minlength=num_experts).tolist()
+        self.recorded[layer] = counts
+        return counts
+
+    def as_counts(self) -> Counts:
+        """The recorded counts as a ``Counts`` model (one list per layer)."""
+        return Counts(per_layer={layer: tuple(c) for layer, c in self.recorded.items()},
+                      source="observed")
 
 
 def _load_counts(path: str) -> Counts:
