@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from modeling.config import ModelConfig
+from modeling.linear import Linear
 from tracemem.errors import TracememError
 
 __all__ = ["MLA", "ATTENTION_KERNELS", "apply_rope"]
@@ -63,16 +64,16 @@ class MLA(nn.Module):
         self.scale = self.qk_head_dim ** -0.5
         h, n = cfg.hidden_size, self.num_heads
         if cfg.q_lora_rank is None:
-            self.wq = nn.Linear(h, n * self.qk_head_dim, bias=False)
+            self.wq = Linear(h, n * self.qk_head_dim, bias=False)
         else:
-            self.wq_a = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.wq_a = Linear(h, cfg.q_lora_rank, bias=False)
             self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps)
-            self.wq_b = nn.Linear(cfg.q_lora_rank, n * self.qk_head_dim, bias=False)
-        self.wkv_a = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias=False)
+            self.wq_b = Linear(cfg.q_lora_rank, n * self.qk_head_dim, bias=False)
+        self.wkv_a = Linear(h, self.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=cfg.rms_norm_eps)
-        self.wkv_b = nn.Linear(self.kv_lora_rank, n * (self.nope_dim + self.v_head_dim),
+        self.wkv_b = Linear(self.kv_lora_rank, n * (self.nope_dim + self.v_head_dim),
                                bias=False)
-        self.wo = nn.Linear(n * self.v_head_dim, h, bias=False)
+        self.wo = Linear(n * self.v_head_dim, h, bias=False)
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, self.rope_dim, 2, dtype=torch.float32)
                                       / self.rope_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (d_r / 2,)

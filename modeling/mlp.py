@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from modeling.linear import Linear
+
 __all__ = ["MLP"]
 
 
@@ -14,9 +16,9 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, inter_dim: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, inter_dim, bias=False)  # gate projection
-        self.w2 = nn.Linear(inter_dim, dim, bias=False)  # down projection
-        self.w3 = nn.Linear(dim, inter_dim, bias=False)  # up projection
+        self.w1 = Linear(dim, inter_dim, bias=False)  # gate projection
+        self.w2 = Linear(inter_dim, dim, bias=False)  # down projection
+        self.w3 = Linear(dim, inter_dim, bias=False)  # up projection
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from modeling.block import Block
 from modeling.config import ModelConfig
+from modeling.linear import Linear
 from modeling.routing import RoutingModel
 
 __all__ = ["Transformer", "MTPModule", "MTP_LOSS_WEIGHT", "build_model"]
@@ -29,7 +30,7 @@ class MTPModule(nn.Module):
         h = cfg.hidden_size
         self.enorm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
         self.hnorm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.eh_proj = Linear(2 * h, h, bias=False)
         self.block = Block(layer_id, cfg, attention, experts)
         self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
 
@@ -57,7 +58,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(i, cfg, attention, experts)
                                      for i in range(cfg.num_layers)})
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.head.weight = self.embed.weight
         self.mtp = nn.ModuleDict({str(i): MTPModule(cfg.num_layers + i, cfg, attention, experts)

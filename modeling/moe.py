@@ -100,7 +100,9 @@ class MoE(nn.Module):
         cfg: the model config.
         experts: ``"grouped"`` (one grouped GEMM over the local experts; needs bfloat16) or
             ``"sequential"`` (one ``MLP`` per expert, ``experts.{i}``).
-        expert_ids: the routed experts held here (EP shards them); default all.
+        expert_ids: the routed experts held here, a contiguous range (EP shards them);
+            default all. With a subset, only this rank's own token-slots routed to those
+            experts are computed (the dispatch of other ranks' tokens is expert parallelism's).
 
         layer_id: the global layer number, passed to the routing model.
 
@@ -137,6 +139,9 @@ class MoE(nn.Module):
                                     expert_ids=ids)
         counts = [all_counts[e] for e in self.expert_ids]
         order = ids.view(-1).argsort(stable=True)  # token-slots sorted by expert, (T * k,)
+        if len(counts) < len(all_counts):  # only the slots of the experts held here
+            first = sum(all_counts[:self.expert_ids.start])
+            order = order.narrow(0, first, sum(counts))
         token = order // k  # the token of each sorted slot
         routed_in = x.index_select(0, token)  # (T * k, h), grouped by expert
         if isinstance(self.experts, GroupedExperts):

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 

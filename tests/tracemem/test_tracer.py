@@ -11,7 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tracemem import Category, MemoryTracer, MissingMetaKernelError, Phase, TracememError
+from tracemem import (
+    Category,
+    MemoryTracer,
+    MissingMetaKernelError,
+    Phase,
+    TracememError,
+)
 
 META = "meta"
 
