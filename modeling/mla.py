@@ -42,7 +42,8 @@ class MLA(nn.Module):
             output and the log-sum-exp for backward. MLA's value head (128) is narrower than
             its query/key head (192), which aten's FlashAttention-2 op rejects, so "flash" calls
             ``aten._scaled_dot_product_efficient_attention`` (output (b, n_h, s, d_v), logsumexp
-            (b, n_h, ceil(s / 32) * 32) fp32), the same storages FlashAttention-3 keeps.
+            (b, n_h, ceil(s / 32) * 32) fp32), the same storages FlashAttention-3 keeps. That
+            op has no CPU kernel: real CPU runs use "eager".
         num_heads: heads on this rank (TP shards heads); default all.
 
     Input and output ``(b, s, h)``.
