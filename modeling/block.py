@@ -10,6 +10,7 @@ from modeling.config import ModelConfig
 from modeling.mla import MLA
 from modeling.mlp import MLP
 from modeling.moe import MoE
+from modeling.parallel.plans import LocalSizes
 from modeling.routing import RoutingModel
 
 __all__ = ["Block"]
@@ -17,19 +18,22 @@ __all__ = ["Block"]
 
 class Block(nn.Module):
     """Decoder layer ``layer_id`` (0-based, global: it decides dense vs MoE and the routing
-    model's per-layer counts). Input and output ``(b, s, h)``."""
+    model's per-layer counts), with the local ``sizes`` of one rank (default unsharded).
+    Input and output ``(b, s, h)``."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig, attention: str = "flash",
-                 experts: str = "grouped"):
+                 experts: str = "grouped", sizes: LocalSizes | None = None):
         super().__init__()
+        sizes = sizes or LocalSizes.full(cfg)
         self.layer_id = layer_id
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.attn = MLA(cfg, attention)
+        self.attn = MLA(cfg, attention, sizes.num_heads, sizes.replicate_q_rope)
         self.ffn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         if cfg.is_moe_layer(layer_id):
-            self.ffn = MoE(cfg, experts, layer_id=layer_id)
+            self.ffn = MoE(cfg, experts, sizes.expert_ids, layer_id, sizes.expert_inter,
+                           sizes.shared_inter)
         else:
-            self.ffn = MLP(cfg.hidden_size, cfg.intermediate_size)
+            self.ffn = MLP(cfg.hidden_size, sizes.dense_inter)
 
     def forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
         x = x + self.attn(self.attn_norm(x))

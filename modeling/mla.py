@@ -45,6 +45,9 @@ class MLA(nn.Module):
             (b, n_h, ceil(s / 32) * 32) fp32), the same storages FlashAttention-3 keeps. That
             op has no CPU kernel: real CPU runs use "eager".
         num_heads: heads on this rank (TP shards heads); default all.
+        replicate_q_rope: hold the query RoPE projection (W^QR, the RoPE columns of wq_b) as a
+            separate, replicated ``wq_r`` for all heads, as arXiv 2502.07846 counts it; this
+            rank's heads are then narrowed out of its output.
 
     Input and output ``(b, s, h)``.
 
@@ -52,7 +55,8 @@ class MLA(nn.Module):
         TracememError: unknown ``attention``.
     """
 
-    def __init__(self, cfg: ModelConfig, attention: str = "flash", num_heads: int | None = None):
+    def __init__(self, cfg: ModelConfig, attention: str = "flash", num_heads: int | None = None,
+                 replicate_q_rope: bool = False):
         super().__init__()
         if attention not in ATTENTION_KERNELS:
             raise TracememError(f"--attention {attention!r} is invalid; choose one of "
@@ -64,12 +68,17 @@ class MLA(nn.Module):
         self.kv_lora_rank = cfg.kv_lora_rank
         self.scale = self.qk_head_dim ** -0.5
         h, n = cfg.hidden_size, self.num_heads
+        self.replicate_q_rope = replicate_q_rope
+        q_head = self.nope_dim if replicate_q_rope else self.qk_head_dim
         if cfg.q_lora_rank is None:
-            self.wq = Linear(h, n * self.qk_head_dim, bias=False)
+            self.wq = Linear(h, n * q_head, bias=False)
         else:
             self.wq_a = Linear(h, cfg.q_lora_rank, bias=False)
             self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps)
-            self.wq_b = Linear(cfg.q_lora_rank, n * self.qk_head_dim, bias=False)
+            self.wq_b = Linear(cfg.q_lora_rank, n * q_head, bias=False)
+        if replicate_q_rope:
+            self.wq_r = Linear(cfg.q_lora_rank or h, cfg.num_attention_heads * self.rope_dim,
+                               bias=False)
         self.wkv_a = Linear(h, self.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=cfg.rms_norm_eps)
         self.wkv_b = Linear(self.kv_lora_rank, n * (self.nope_dim + self.v_head_dim),
@@ -81,9 +90,14 @@ class MLA(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, _ = x.shape
-        q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
-        q = q.view(b, s, -1, self.qk_head_dim)  # (b, s, n_h, qk_head_dim)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_in = x if hasattr(self, "wq") else self.q_norm(self.wq_a(x))
+        q = self.wq(q_in) if hasattr(self, "wq") else self.wq_b(q_in)
+        if self.replicate_q_rope:
+            q_nope = q.view(b, s, -1, self.nope_dim)  # (b, s, n_local, nope)
+            q_pe = self.wq_r(q_in).view(b, s, -1, self.rope_dim).narrow(2, 0, self.num_heads)
+        else:
+            q = q.view(b, s, -1, self.qk_head_dim)  # (b, s, n_local, qk_head_dim)
+            q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_pe, self.inv_freq)], dim=-1)
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_pe = apply_rope(k_pe.unsqueeze(2), self.inv_freq)  # (b, s, 1, d_r)

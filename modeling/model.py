@@ -10,10 +10,11 @@ from torch import Tensor, nn
 
 from modeling.block import Block
 from modeling.config import ModelConfig
+from modeling.parallel.plans import LocalSizes
 from modeling.linear import Linear
 from modeling.routing import RoutingModel
 
-__all__ = ["Transformer", "MTPModule", "MTP_LOSS_WEIGHT", "build_model"]
+__all__ = ["Transformer", "MTPModule", "MTP_LOSS_WEIGHT", "build_model", "cast_parameters"]
 
 # DeepSeek-V3 technical report (arXiv 2412.19437), section 4.2: the MTP loss weight is 0.3 for
 # the first 10T training tokens and 0.1 afterwards.
@@ -25,13 +26,14 @@ class MTPModule(nn.Module):
     hnorm(h_{i})])`` through one decoder layer and a final norm (``norm``, Hugging Face's
     ``shared_head.norm``); the embedding and output head are the main model's."""
 
-    def __init__(self, layer_id: int, cfg: ModelConfig, attention: str, experts: str):
+    def __init__(self, layer_id: int, cfg: ModelConfig, attention: str, experts: str,
+                 sizes: LocalSizes):
         super().__init__()
         h = cfg.hidden_size
         self.enorm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
         self.hnorm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
-        self.eh_proj = Linear(2 * h, h, bias=False)
-        self.block = Block(layer_id, cfg, attention, experts)
+        self.eh_proj = Linear(2 * h, sizes.eh_proj_out, bias=False)
+        self.block = Block(layer_id, cfg, attention, experts, sizes)
         self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
 
     def forward(self, hidden: Tensor, embedded: Tensor, routing: RoutingModel) -> Tensor:
@@ -40,41 +42,65 @@ class MTPModule(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The whole model. ``forward(tokens, labels, routing)`` returns the training loss.
+    """The model, or the part of it one pipeline rank holds. ``forward`` returns the training
+    loss on the last stage and the hidden states ``(b, s, h)`` elsewhere.
 
     Args:
         cfg: sizes.
         attention: ``"flash"`` or ``"eager"`` (``modeling.mla.MLA``).
         experts: ``"grouped"`` or ``"sequential"`` (``modeling.moe.MoE``).
+        sizes: local module sizes (``modeling.parallel.plans.LocalSizes``); default unsharded.
+        chunks: the global layer numbers of each model chunk held (one chunk without virtual
+            pipeline stages); default one chunk of all layers.
+        pre_process: holds the embedding (the first stage).
+        post_process: holds the final norm, head, loss and MTP modules (the last stage); with
+            MTP it also holds an embedding, as Megatron-Core's MTP stage does.
 
     Tokens and labels are ``(b, s)`` int64. MTP depth k predicts the token k positions further:
     its inputs are the tokens and labels rolled left by k (same length s, as Megatron-LM does).
     """
 
-    def __init__(self, cfg: ModelConfig, attention: str = "flash", experts: str = "grouped"):
+    def __init__(self, cfg: ModelConfig, attention: str = "flash", experts: str = "grouped",
+                 sizes: LocalSizes | None = None, chunks: list[list[int]] | None = None,
+                 pre_process: bool = True, post_process: bool = True):
         super().__init__()
+        sizes = sizes or LocalSizes.full(cfg)
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): Block(i, cfg, attention, experts)
-                                     for i in range(cfg.num_layers)})
-        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.head.weight = self.embed.weight
-        self.mtp = nn.ModuleDict({str(i): MTPModule(cfg.num_layers + i, cfg, attention, experts)
-                                  for i in range(cfg.num_mtp_modules)})
+        self.chunks = chunks if chunks is not None else [list(range(cfg.num_layers))]
+        self.pre_process, self.post_process = pre_process, post_process
+        has_mtp = post_process and cfg.num_mtp_modules > 0
+        self.embed = (nn.Embedding(sizes.vocab, cfg.hidden_size)
+                      if pre_process or has_mtp else None)
+        self.layers = nn.ModuleDict({str(i): Block(i, cfg, attention, experts, sizes)
+                                     for chunk in self.chunks for i in chunk})
+        if post_process:
+            self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+            self.head = Linear(cfg.hidden_size, sizes.vocab, bias=False)
+            if cfg.tie_word_embeddings and self.embed is not None:
+                self.head.weight = self.embed.weight
+            self.mtp = nn.ModuleDict({
+                str(i): MTPModule(cfg.num_layers + i, cfg, attention, experts, sizes)
+                for i in range(cfg.num_mtp_modules)})
 
     def _loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        logits = self.head(hidden)  # (b, s, vocab)
+        logits = self.head(hidden)  # (b, s, vocab held)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
-    def forward(self, tokens: Tensor, labels: Tensor, routing: RoutingModel) -> Tensor:
-        h = self.embed(tokens)  # (b, s, h)
-        for layer in self.layers.values():
-            h = layer(h, routing)
+    def forward(self, inputs: Tensor, labels: Tensor, routing: RoutingModel,
+                chunk: int = 0) -> Tensor:
+        """``inputs``: tokens ``(b, s)`` on the first chunk of the first stage, else the hidden
+        states ``(b, s, h)`` received from the previous stage."""
+        first = chunk == 0 and self.pre_process
+        last = chunk == len(self.chunks) - 1 and self.post_process
+        h = self.embed(inputs) if first else inputs
+        for i in self.chunks[chunk]:
+            h = self.layers[str(i)](h, routing)
+        if not last:
+            return h
         loss = self._loss(self.norm(h), labels)
+        tokens = labels  # the MTP embeds the following tokens: the labels, rolled further
         for depth, module in enumerate(self.mtp.values(), start=1):
-            h = module(h, self.embed(tokens.roll(-depth, dims=1)), routing)
+            h = module(h, self.embed(tokens.roll(-(depth - 1), dims=1)), routing)
             loss = loss + MTP_LOSS_WEIGHT * self._loss(h, labels.roll(-depth, dims=1))
         return loss
 
@@ -85,9 +111,13 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "meta", *,
     """``Transformer(cfg)`` built directly on ``device``, its parameters in ``dtype`` (default
     the config's ``torch_dtype``); buffers (the router's correction bias, RoPE frequencies)
     stay float32, as in DeepSeek-V3's reference model."""
-    dtype = dtype or getattr(torch, cfg.dtype)
     with torch.device(device):
         model = Transformer(cfg, attention, experts)
-    for param in model.parameters():  # in place, so a tied head stays tied
-        param.data = param.data.to(dtype)
+    cast_parameters(model, dtype or getattr(torch, cfg.dtype))
     return model
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters to ``dtype`` in place (a tied head stays tied); buffers keep theirs."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)

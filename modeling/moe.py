@@ -105,6 +105,8 @@ class MoE(nn.Module):
             experts are computed (the dispatch of other ranks' tokens is expert parallelism's).
 
         layer_id: the global layer number, passed to the routing model.
+        expert_inter, shared_inter: the widths held of each routed expert (ETP shards it) and
+            of the shared experts (TP shards them); default the config's.
 
     ``forward(x, routing)``: ``x`` ``(b, s, h)``; ``routing`` says how many token-slots each
     expert receives (asked after the router has run, so a routing model that observes real
@@ -113,7 +115,8 @@ class MoE(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, experts: str = "grouped",
-                 expert_ids: range | None = None, layer_id: int = 0):
+                 expert_ids: range | None = None, layer_id: int = 0,
+                 expert_inter: int | None = None, shared_inter: int | None = None):
         super().__init__()
         if experts not in EXPERT_KERNELS:
             raise TracememError(f"--experts {experts!r} is invalid; choose one of "
@@ -121,14 +124,16 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.layer_id = layer_id
         self.expert_ids = expert_ids or range(cfg.num_routed_experts)
-        n, h, inter = len(self.expert_ids), cfg.hidden_size, cfg.moe_intermediate_size
+        n, h = len(self.expert_ids), cfg.hidden_size
+        inter = expert_inter or cfg.moe_intermediate_size
+        shared = cfg.num_shared_experts * cfg.moe_intermediate_size \
+            if shared_inter is None else shared_inter
         self.gate = Gate(cfg)
         if experts == "grouped":
             self.experts = GroupedExperts(n, h, inter)
         else:
             self.experts = nn.ModuleList(MLP(h, inter) for _ in range(n))
-        self.shared_experts = (MLP(h, cfg.num_shared_experts * inter)
-                               if cfg.num_shared_experts else None)
+        self.shared_experts = MLP(h, shared) if shared else None
 
     def forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
         shape = x.shape

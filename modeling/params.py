@@ -6,6 +6,8 @@ bias is a buffer and is counted, the RoPE frequencies are not).
 
 from __future__ import annotations
 
+from torch import nn
+
 from modeling.config import ModelConfig
 from modeling.model import Transformer
 
@@ -15,44 +17,50 @@ COMPONENTS = ("embedding", "attention", "norms", "dense_mlp", "router", "routed_
               "shared_experts", "output_head", "mtp_projection", "mtp_layer")
 
 
-def _component(name: str) -> str:
-    parts = name.split(".")
+def _component(module_name: str, module: nn.Module) -> str:
+    parts = module_name.split(".")
+    if parts[0] == "mtp":  # everything of an MTP module, its norms included
+        return "mtp_layer" if parts[2] == "block" else "mtp_projection"
+    if isinstance(module, nn.RMSNorm):  # including MLA's q_norm and kv_norm
+        return "norms"
     if parts[0] == "embed":
         return "embedding"
     if parts[0] == "head":
         return "output_head"
-    if parts[0] == "norm":
-        return "norms"
-    if parts[0] == "mtp":
-        return "mtp_layer" if parts[2] == "block" else "mtp_projection"
     sub = parts[2]  # layers.{i}.<sub>...
     if sub == "attn":
         return "attention"
-    if sub in ("attn_norm", "ffn_norm"):
-        return "norms"
-    if parts[3] == "gate":
+    if len(parts) > 3 and parts[3] == "gate":
         return "router"
-    if parts[3] == "experts":
+    if len(parts) > 3 and parts[3] == "experts":
         return "routed_experts"
-    if parts[3] == "shared_experts":
+    if len(parts) > 3 and parts[3] == "shared_experts":
         return "shared_experts"
     return "dense_mlp"
 
 
-def _entries(model: Transformer):
-    yield from model.named_parameters()
-    persistent = model.state_dict(keep_vars=True)
-    for name, buf in model.named_buffers():
-        if name in persistent:
-            yield name, buf
+def _entries(model: nn.Module, buffers: bool):
+    """(component, tensor) for every parameter (and persistent buffer), shared ones once."""
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        tensors = list(module.named_parameters(recurse=False))
+        if buffers:
+            tensors += [(name, buf) for name, buf in module.named_buffers(recurse=False)
+                        if name not in module._non_persistent_buffers_set]
+        for _, tensor in tensors:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield _component(module_name, module), tensor
 
 
-def count_by_component(model: Transformer) -> dict[str, int]:
+def count_by_component(model: Transformer, buffers: bool = True) -> dict[str, int]:
     """Element counts per component (``COMPONENTS``; MTP modules counted apart from the main
-    model). Shared tensors (a tied head, the MTP's use of the embedding) count once."""
+    model; the main model's RMSNorms, MLA's q_norm and kv_norm included, under "norms"). Shared
+    tensors (a
+    tied head, the MTP's use of the embedding) count once."""
     counts = dict.fromkeys(COMPONENTS, 0)
-    for name, tensor in _entries(model):
-        counts[_component(name)] += tensor.numel()
+    for component, tensor in _entries(model, buffers):
+        counts[component] += tensor.numel()
     return counts
 
 

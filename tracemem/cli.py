@@ -13,7 +13,7 @@ from tracemem import __version__
 from tracemem.errors import TracememError
 from tracemem.report import UNITS, format_breakdown, format_comparisons, get_summary
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "add_parallel_arguments", "parallel_config_from_args"]
 
 
 def _positive_int(text: str) -> int:
@@ -69,11 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     params = sub.add_parser(
         "params", help="count a model's parameters: total, activated per token, per component")
-    params.add_argument("--model", required=True,
-                        help="a preset (deepseek-v3, deepseek-v2, deepseek-v2-lite, "
-                             "deepseek-tiny) or the path of a Hugging Face config.json")
+    _add_model_flag(params)
     params.add_argument("--json", action="store_true",
                         help="print JSON (element counts) instead of a table")
+
+    static = sub.add_parser(
+        "static", help="parameters, gradients and optimizer states of every pipeline stage "
+                       "under a parallel layout, ZeRO stage and precision recipe")
+    _add_model_flag(static)
+    add_parallel_arguments(static)
+    static.add_argument("--json", action="store_true",
+                        help="print JSON (every figure in bytes or elements) instead")
 
     validate = sub.add_parser(
         "validate", help="run the validation cases for real on CPU under torch.profiler and "
@@ -82,6 +88,68 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a case to run (repeatable; default: all)")
     validate.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
     return parser
+
+
+def _add_model_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="a preset (deepseek-v3, deepseek-v2, deepseek-v2-lite, "
+                             "deepseek-tiny) or the path of a Hugging Face config.json")
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """The parallel-layout flags, with Megatron-LM's names where one exists."""
+    from tracemem.parallel import PLANS, PRECISIONS
+
+    group = parser.add_argument_group("parallel layout")
+    group.add_argument("--world-size", type=_positive_int, required=True,
+                       help="number of GPUs")
+    group.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=_positive_int,
+                       default=1, help="tensor-parallel degree (default 1)")
+    group.add_argument("--sp", "--sequence-parallel", dest="sp", action="store_true",
+                       help="sequence parallelism over the TP group (needs --tp > 1)")
+    group.add_argument("--cp", "--context-parallel-size", dest="cp", type=_positive_int,
+                       default=1, help="context-parallel degree (default 1)")
+    group.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=_positive_int,
+                       default=1, help="expert-parallel degree (default 1)")
+    group.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp",
+                       type=_positive_int, default=1,
+                       help="tensor-parallel degree inside each expert (default 1)")
+    group.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=_positive_int,
+                       default=1, help="pipeline stages (default 1)")
+    group.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp",
+                       type=_positive_int, default=1,
+                       help="model chunks per pipeline rank (default 1)")
+    group.add_argument("--pp-layout", default=None,
+                       help="decoder layers per (virtual) stage, comma-separated; N*K repeats "
+                            "N K times, e.g. 4*15,1 (default: an even split)")
+    group.add_argument("--pp-first-stage-layers", "--decoder-first-pipeline-num-layers",
+                       dest="pp_first_stage_layers", type=int, default=None,
+                       help="decoder layers on the first stage; the middle stages split the "
+                            "rest evenly")
+    group.add_argument("--pp-last-stage-layers", "--decoder-last-pipeline-num-layers",
+                       dest="pp_last_stage_layers", type=int, default=None,
+                       help="decoder layers on the last stage")
+    group.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1,
+                       help="ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also "
+                            "parameters, over DP (dense) and EDP (experts) (default 1)")
+    group.add_argument("--precision", choices=PRECISIONS, default="megatron",
+                       help="bytes per parameter of params / grads / optimizer states "
+                            "(default %(default)s)")
+    group.add_argument("--plan", choices=PLANS, default="megatron",
+                       help="which modules TP and EP split (default %(default)s)")
+
+
+def parallel_config_from_args(args: argparse.Namespace, model_cfg):
+    """A validated ``ParallelConfig`` from the flags of ``add_parallel_arguments``."""
+    from tracemem.parallel import ParallelConfig, parse_layout
+
+    return ParallelConfig.create(
+        model_cfg, world_size=args.world_size, tp=args.tp, sp=args.sp, cp=args.cp, ep=args.ep,
+        etp=args.etp, pp=args.pp, vpp=args.vpp, zero=args.zero, precision=args.precision,
+        plan=args.plan,
+        pp_layout=parse_layout(args.pp_layout) if args.pp_layout else None,
+        pp_first_stage_layers=args.pp_first_stage_layers,
+        pp_last_stage_layers=args.pp_last_stage_layers)
 
 
 def _add_output_flags(parser: argparse.ArgumentParser) -> None:
@@ -135,6 +203,57 @@ def _run_params(args: argparse.Namespace) -> str:
                        colalign=("left", "right")))
 
 
+def _run_static(args: argparse.Namespace) -> str:
+    from modeling.config import load_config
+    from modeling.parallel.build import build_rank
+    from tracemem.static import PRECISION_RECIPES, static_memory
+
+    cfg = load_config(args.model)
+    par = parallel_config_from_args(args, cfg)
+    stages = []
+    for stage in range(par.pp):
+        rank = stage * (par.world_size // par.pp)  # TP, DP and EP ranks are alike here
+        memory = static_memory(build_rank(cfg, par, rank), par)
+        stages.append({
+            "pp_stage": stage,
+            "layers": [layer for chunk in par.layers_of_stage(stage) for layer in chunk],
+            "dense_params": memory.dense_params, "expert_params": memory.expert_params,
+            "params_by_component": memory.by_component,
+            "param_bytes": memory.param_bytes, "grad_bytes": memory.grad_bytes,
+            "optimizer_bytes": memory.optimizer_bytes, "buffer_bytes": memory.buffer_bytes,
+            "zero3_gather_bytes": memory.zero3_gather_bytes, "total_bytes": memory.total_bytes,
+        })
+    layout = {k: getattr(par, k) for k in ("world_size", "tp", "sp", "cp", "ep", "etp", "pp",
+                                          "vpp", "dp", "edp", "zero", "precision", "plan")}
+    layout["pp_layout"] = list(par.pp_layout)
+    if args.json:
+        return json.dumps({"model": cfg.name, "parallel": layout, "stages": stages}, indent=2)
+    gib = 2**30
+    rows = [[s["pp_stage"], _span(s["layers"]), f"{s['dense_params']:,}",
+             f"{s['expert_params']:,}", f"{s['param_bytes'] / gib:.2f}",
+             f"{s['grad_bytes'] / gib:.2f}", f"{s['optimizer_bytes'] / gib:.2f}",
+             f"{s['zero3_gather_bytes'] / gib:.2f}", f"{s['total_bytes'] / gib:.2f}"]
+            for s in stages]
+    recipe = PRECISION_RECIPES[par.precision]
+    head = (f"{cfg.name}: world {par.world_size} = TP {par.tp} x CP {par.cp} x PP {par.pp} x "
+            f"DP {par.dp}; experts EP {par.ep} x ETP {par.etp} x EDP {par.edp}; ZeRO-{par.zero}; "
+            f"plan {par.plan}; precision {par.precision} ({recipe.param_bytes} / "
+            f"{recipe.grad_bytes} / {recipe.optimizer_bytes} B per parameter)")
+    table = tabulate(rows, headers=["stage", "layers", "dense params", "expert params",
+                                    "params GiB", "grads GiB", "optimizer GiB",
+                                    "ZeRO-3 gather GiB", "total GiB"],
+                     disable_numparse=True, colalign=("right",) * 9)
+    return head + "\n\n" + table + "\n\n(GiB = 2^30 bytes; one row per pipeline stage)"
+
+
+def _span(layers: list[int]) -> str:
+    if not layers:
+        return "-"
+    if layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+    return ",".join(map(str, layers))
+
+
 def _run_validate(args: argparse.Namespace) -> str:
     from tracemem.validation import compare_case, get_case
     from tracemem.validation.cases import CASES
@@ -156,7 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        commands = {"demo": _run_demo, "params": _run_params, "validate": _run_validate}
+        commands = {"demo": _run_demo, "params": _run_params, "static": _run_static,
+                    "validate": _run_validate}
         out = commands[args.command](args)
     except TracememError as error:
         print(f"tracemem: error: {error}".splitlines()[0], file=sys.stderr)

@@ -54,8 +54,13 @@ def test_deepseek_v3_counts(v3):
     assert by["router"] == 58 * (256 * 7168 + 256)  # weight + correction bias, 58 MoE layers
     assert by["routed_experts"] == 58 * 256 * 3 * 7168 * 2048
     assert by["dense_mlp"] == 3 * 3 * 7168 * 18432
-    assert by["attention"] == 61 * 187_107_328
+    # wq_a 7168*1536 + wq_b 1536*128*192 + wkv_a 7168*576 + wkv_b 512*128*256 + wo 16384*7168
+    assert by["attention"] == 61 * 187_105_280
+    # per layer attn_norm, ffn_norm (7168 each), q_norm 1536, kv_norm 512; final norm 7168
+    assert by["norms"] == 61 * (2 * 7168 + 1536 + 512) + 7168
     assert by["mtp_projection"] == 2 * 7168 + 2 * 7168 * 7168 + 7168  # enorm, hnorm, eh_proj, norm
+    assert by["mtp_layer"] == 187_105_280 + 2 * 7168 + 1536 + 512 + 256 * 7168 + 256 \
+        + 257 * 3 * 7168 * 2048
     # "37B activated": the total less, per MoE layer, the 248 routed experts a token skips
     assert count_activated(model, cfg) == 671_026_419_200 - 58 * 248 * 3 * 7168 * 2048
 

@@ -1,0 +1,68 @@
+"""``build_rank``: the modules one rank holds, with its local shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from modeling.config import ModelConfig
+from modeling.model import Transformer, cast_parameters
+from modeling.parallel.plans import local_sizes
+
+__all__ = ["RankCoordinates", "coordinates", "build_rank"]
+
+
+@dataclass(frozen=True)
+class RankCoordinates:
+    """Where a global rank sits: its pipeline stage, its rank in the dense groups (TP, CP, DP)
+    and in the expert groups (ETP, EP, EDP). Megatron's default order: TP (ETP) fastest, then
+    CP, DP (EP, EDP), then PP."""
+
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    cp_rank: int
+    dp_rank: int
+    etp_rank: int
+    ep_rank: int
+    edp_rank: int
+
+
+def coordinates(par, rank: int) -> RankCoordinates:
+    """The coordinates of global ``rank`` in layout ``par``.
+
+    Raises:
+        TracememError: rank outside [0, world_size).
+    """
+    stage = par.stage_of(rank)
+    local = rank % (par.world_size // par.pp)
+    return RankCoordinates(
+        rank, stage,
+        tp_rank=local % par.tp, cp_rank=(local // par.tp) % par.cp,
+        dp_rank=local // (par.tp * par.cp),
+        etp_rank=local % par.etp, ep_rank=(local // par.etp) % par.ep,
+        edp_rank=local // (par.etp * par.ep))
+
+
+def build_rank(model_cfg: ModelConfig, par, rank: int, *, attention: str = "flash",
+               experts: str = "grouped", device: str | torch.device = "meta",
+               dtype: torch.dtype | None = None) -> Transformer:
+    """The part of the model that global rank ``rank`` holds under ``par`` (a validated
+    ``tracemem.ParallelConfig``): the layers of its pipeline stage (one chunk per virtual
+    stage, global layer numbers kept in module paths), the embedding on the first stage, the
+    final norm, head, loss and MTP modules on the last, every module at this rank's shard
+    shapes under ``par.plan`` (``modeling.parallel.plans``).
+
+    Raises:
+        TracememError: rank outside [0, world_size).
+    """
+    where = coordinates(par, rank)
+    sizes = local_sizes(model_cfg, par, where.ep_rank)
+    chunks = par.layers_of_stage(where.pp_rank)
+    with torch.device(device):
+        model = Transformer(model_cfg, attention, experts, sizes, chunks,
+                            pre_process=where.pp_rank == 0,
+                            post_process=where.pp_rank == par.pp - 1)
+    cast_parameters(model, dtype or getattr(torch, model_cfg.dtype))
+    return model

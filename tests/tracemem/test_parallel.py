@@ -1,0 +1,108 @@
+"""ParallelConfig: derived degrees, layouts, and one clear error per invalid combination.
+
+Reference: Megatron-Core's conventions (megatron/core/parallel_state.py): world = TP * CP * PP
+* DP for dense layers and world = ETP * EP * PP * EDP for expert layers; hand arithmetic.
+"""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from modeling.config import load_config
+from tracemem.errors import TracememError
+from tracemem.parallel import ParallelConfig, parse_layout
+
+V3 = load_config("deepseek-v3")
+TINY = load_config("deepseek-tiny")  # 4 heads, 8 experts, 4 layers, intermediate 128 / 32
+
+
+def test_paper_layout_derives_dp_and_edp():
+    par = ParallelConfig.create(V3, world_size=1024, tp=2, pp=16, ep=8, pp_layout=(4,) * 15 + (1,))
+    assert (par.dp, par.edp) == (32, 8)  # 1024 / (2 * 16), 1024 / (8 * 1 * 16)
+    assert par.layers_of_stage(1) == [[4, 5, 6, 7]] and par.layers_of_stage(15) == [[60]]
+    assert par.stage_of(0) == 0 and par.stage_of(63) == 0 and par.stage_of(64) == 1
+
+
+def test_first_and_last_stage_layers_split_the_middle_evenly():
+    par = ParallelConfig.create(V3, world_size=1024, tp=2, pp=16, ep=8,
+                                pp_first_stage_layers=4, pp_last_stage_layers=1)
+    assert par.pp_layout == (4,) * 15 + (1,)
+
+
+def test_virtual_stages_interleave_chunks():
+    par = ParallelConfig.create(TINY, world_size=2, pp=2, vpp=2)
+    # virtual stage v = chunk * pp + rank: rank 0 holds v0 and v2, rank 1 v1 and v3
+    assert par.layers_of_stage(0) == [[0], [2]] and par.layers_of_stage(1) == [[1], [3]]
+
+
+def test_parse_layout():
+    assert parse_layout("4*15,1") == (4,) * 15 + (1,)
+    assert parse_layout("3, 2,2") == (3, 2, 2)
+    with pytest.raises(TracememError, match="--pp-layout 'four' is invalid"):
+        parse_layout("four")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=1024, tp=3, pp=16, ep=8, pp_layout=(4,) * 15 + (1,)),
+     r"--world-size 1024 is not a multiple of tp\(3\) \* cp\(1\) \* pp\(16\) = 48"),
+    (dict(world_size=96, tp=3, pp=16, ep=2, pp_layout=(4,) * 15 + (1,)),
+     r"--tp 3 must divide num_attention_heads \(128\); try 1, 2, 4, 8"),
+    (dict(world_size=1008, tp=1, pp=16, ep=7, pp_layout=(4,) * 15 + (1,)),
+     r"--ep 7 must divide n_routed_experts \(256\); try 1, 2, 4, 8, 16"),
+    (dict(world_size=1024, tp=2, pp=16, ep=1, etp=2, pp_layout=(4,) * 15 + (1,)),
+     "--etp 2 needs --ep > 1"),
+    (dict(world_size=64, tp=2, pp=16, ep=8, pp_layout=(4,) * 15 + (1,)),
+     r"--world-size 64 is not a multiple of etp\(1\) \* ep\(8\) \* pp\(16\) = 128"),
+    (dict(world_size=1024, tp=1, sp=True, pp=16, pp_layout=(4,) * 15 + (1,)),
+     "--sp needs --tp > 1"),
+    (dict(world_size=1024, tp=2, pp=16), r"61 layers do not divide into pp \* vpp = 16 stages; "
+                                          r"give --pp-layout \(e.g. 4\*15,1\)"),
+    (dict(world_size=1024, tp=2, pp=16, pp_layout=(4,) * 16),
+     "--pp-layout sums to 64 layers; the model has 61"),
+    (dict(world_size=1024, tp=2, pp=16, pp_layout=(4,) * 15),
+     r"--pp-layout has 15 entries; it needs one per virtual pipeline stage, pp \* vpp = 16"),
+    (dict(world_size=128, pp=64, ep=1), r"pp \* vpp = 64 stages is more than the model's 61"),
+    (dict(world_size=1024, tp=2, pp=16, pp_first_stage_layers=5, pp_last_stage_layers=1),
+     "leave 55 layers for 14 middle stages, which do not divide evenly"),
+    (dict(world_size=1024, tp=2, pp=16, zero=4, pp_layout=(4,) * 15 + (1,)),
+     "--zero 4 is invalid; choose 0, 1, 2 or 3"),
+    (dict(world_size=1024, tp=2, pp=16, precision="fp8", pp_layout=(4,) * 15 + (1,)),
+     "--precision 'fp8' is invalid; choose one of megatron, paper-2502.07846, deepseek-v3"),
+    (dict(world_size=1024, tp=2, pp=16, plan="fsdp", pp_layout=(4,) * 15 + (1,)),
+     "--plan 'fsdp' is invalid"),
+    (dict(world_size=0), "--world-size 0 must be a positive integer"),
+    (dict(world_size=8, tp=-2), "--tp -2 must be a positive integer"),
+])
+def test_invalid_layouts_name_the_flag_and_a_fix(kwargs, message):
+    with pytest.raises(TracememError, match=message):
+        ParallelConfig.create(V3, **kwargs)
+
+
+def test_rank_outside_the_world_is_an_error():
+    par = ParallelConfig.create(TINY, world_size=4, pp=2)
+    with pytest.raises(TracememError, match=r"rank 4 is outside \[0, 4\)"):
+        par.stage_of(4)
+
+
+degree = st.sampled_from([1, 2, 3, 4, 8])
+
+
+@settings(max_examples=300, deadline=None)
+@given(world=st.sampled_from([1, 2, 4, 6, 8, 16, 32, 64]), tp=degree, cp=degree, ep=degree,
+       etp=degree, pp=degree, vpp=st.sampled_from([1, 2]), sp=st.booleans(),
+       zero=st.integers(-1, 4))
+def test_any_degrees_either_build_a_consistent_layout_or_raise_the_documented_error(
+        world, tp, cp, ep, etp, pp, vpp, sp, zero):
+    try:
+        par = ParallelConfig.create(TINY, world_size=world, tp=tp, cp=cp, ep=ep, etp=etp,
+                                    pp=pp, vpp=vpp, sp=sp, zero=zero)
+    except TracememError as error:
+        assert str(error).startswith(("--", "4 layers", "pp * vpp")), str(error)
+        return
+    assert par.tp * par.cp * par.pp * par.dp == world
+    assert par.etp * par.ep * par.pp * par.edp == world
+    assert sum(par.pp_layout) == TINY.num_layers and len(par.pp_layout) == pp * vpp
+    assert TINY.num_attention_heads % tp == 0 and TINY.num_routed_experts % ep == 0
+    assert not (sp and tp == 1) and not (etp > 1 and ep == 1) and zero in (0, 1, 2, 3)
+    assert sorted(i for stage in range(pp) for chunk in par.layers_of_stage(stage)
+                  for i in chunk) == list(range(TINY.num_layers))

@@ -1,0 +1,121 @@
+"""Static memory of one rank: parameters, gradients and optimizer states, by parameter group
+(dense vs expert), under a ZeRO stage and a precision recipe.
+
+Counts come from the rank's real module (``modeling.parallel.build_rank`` on the meta device);
+only the bytes per element and the ZeRO divisors are conventions, each cited below.
+
+ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054): stage 1 shards optimizer states, stage 2 also
+gradients, stage 3 also parameters; dense parameters over DP, expert parameters over EDP
+(Megatron-Core's distributed optimizer keeps separate dense and expert data-parallel groups).
+A sharded count is rounded up (ceil) to whole elements per rank. Under ZeRO-3 each layer is
+all-gathered before use; the largest layer's gathered parameters are a transient line item.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from modeling.params import count_by_component
+from modeling.parallel.plans import is_expert_param
+from tracemem.errors import TracememError
+
+__all__ = ["Precision", "PRECISION_RECIPES", "StaticMemory", "static_memory"]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter element of each static buffer, before ZeRO sharding."""
+
+    name: str
+    param_bytes: int  # the model's own parameter copy
+    grad_bytes: int  # gradient (main-grad) buffer
+    optimizer_bytes: int  # master weights + optimizer moments
+    source: str
+
+
+PRECISION_RECIPES = {
+    "megatron": Precision(
+        "megatron", 2, 4, 12,
+        "Megatron-LM theoretical_memory_usage (megatron/training/theoretical_memory_usage.py): "
+        "bf16 parameters 2 B, fp32 main gradients 4 B, fp32 master weights and Adam m, v "
+        "12 B; 18 B per parameter without the distributed optimizer"),
+    "paper-2502.07846": Precision(
+        "paper-2502.07846", 2, 4, 8,
+        "arXiv 2502.07846, static-memory table: parameters 2 B, gradients 4 B, optimizer "
+        "states 8 B per parameter"),
+    "deepseek-v3": Precision(
+        "deepseek-v3", 2, 4, 8,
+        "DeepSeek-V3 technical report (arXiv 2412.19437) section 3.3.3: bf16 parameters, fp32 "
+        "master weights and gradients, bf16 AdamW moments: 2 + 4 + (4 + 2 + 2) B"),
+}
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    """Static bytes of one rank. Element counts are of parameters this rank holds (its TP /
+    EP / ETP shard) before ZeRO; bytes are after ZeRO sharding.
+
+    Attributes:
+        dense_params, expert_params: parameter elements held, by ZeRO group (DP vs EDP).
+        param_bytes, grad_bytes, optimizer_bytes: after ZeRO.
+        buffer_bytes: persistent buffers (the router's correction bias), never sharded.
+        zero3_gather_bytes: ZeRO-3 only: the largest layer's parameters all-gathered
+            (param_bytes per element, this rank's TP/EP shard of that layer), else 0.
+        by_component: parameter elements held per component (``modeling.params.COMPONENTS``).
+    """
+
+    dense_params: int
+    expert_params: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    buffer_bytes: int
+    zero3_gather_bytes: int
+    by_component: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
+                + self.zero3_gather_bytes)
+
+
+def _shard(elements: int, ways: int, sharded: bool) -> int:
+    return -(-elements // ways) if sharded else elements
+
+
+def static_memory(model: nn.Module, par) -> StaticMemory:
+    """Static memory of a rank's model (``build_rank``) under ``par`` (a
+    ``tracemem.ParallelConfig``: its zero, precision, plan, dp and edp).
+
+    Raises:
+        TracememError: unknown precision recipe.
+    """
+    if par.precision not in PRECISION_RECIPES:
+        raise TracememError(f"--precision {par.precision!r} is invalid; choose one of "
+                            f"{', '.join(PRECISION_RECIPES)}")
+    recipe = PRECISION_RECIPES[par.precision]
+    dense = expert = 0
+    for name, param in model.named_parameters():
+        if is_expert_param(name, par.plan):
+            expert += param.numel()
+        else:
+            dense += param.numel()
+
+    def sharded(bytes_per: int, stage: int) -> int:
+        on = par.zero >= stage
+        return bytes_per * (_shard(dense, par.dp, on) + _shard(expert, par.edp, on))
+
+    persistent = model.state_dict(keep_vars=True)
+    buffers = sum(b.numel() * b.element_size() for name, b in model.named_buffers()
+                  if name in persistent)
+    gather = 0
+    if par.zero == 3:
+        layers = [m for name, m in model.named_modules() if name.count(".") == 1
+                  and name.split(".")[0] in ("layers", "mtp")]
+        gather = recipe.param_bytes * max(
+            (sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
+    return StaticMemory(dense, expert, sharded(recipe.param_bytes, 3),
+                        sharded(recipe.grad_bytes, 2), sharded(recipe.optimizer_bytes, 1),
+                        buffers, gather, count_by_component(model, buffers=False))
