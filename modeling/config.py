@@ -8,6 +8,7 @@ name mapping in DeepSeek-V3's ``inference/convert.py``. Unknown keys are ignored
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
@@ -127,6 +128,10 @@ HF_KEYS: dict[str, tuple[str, type | tuple[type, ...], Any]] = {
 }
 assert {f for f, _, _ in HF_KEYS.values()} | {"name"} == {f.name for f in fields(ModelConfig)}
 
+# Sizes above this are rejected: no real model is near it, and products of such sizes overflow
+# the int64 storage sizes torch computes (2^24 = 16,777,216 elements per dimension).
+MAX_SIZE = 2**24
+_POSITIVE_REALS = {"rms_norm_eps", "routed_scaling_factor"}
 _SIZE_FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                 "num_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
                 "qk_rope_head_dim", "v_head_dim", "num_routed_experts", "num_experts_per_tok",
@@ -142,6 +147,10 @@ def config_from_dict(data: dict[str, Any], source: str) -> ModelConfig:
     """
     if not isinstance(data, dict):
         raise TracememError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    act = data.get("hidden_act", "silu")
+    if act != "silu":
+        raise TracememError(f"{source}: hidden_act={_show(act)} is not supported; tracemem's "
+                            f"MLP and experts are SwiGLU (silu)")
     values: dict[str, Any] = {"name": source}
     for key, (field, types, default) in HF_KEYS.items():
         if key not in data or (data[key] is None and default is not _REQUIRED
@@ -152,18 +161,30 @@ def config_from_dict(data: dict[str, Any], source: str) -> ModelConfig:
             continue
         value = data[key]
         if isinstance(value, bool) and bool not in _as_tuple(types):
-            raise TracememError(f"{source}: {key}={value!r} must be {_type_names(types)}")
+            raise TracememError(f"{source}: {key}={_show(value)} must be {_type_names(types)}")
         if not isinstance(value, types):
-            raise TracememError(f"{source}: {key}={value!r} must be {_type_names(types)}")
-        if field in _SIZE_FIELDS and value <= 0:
-            raise TracememError(f"{source}: {key}={value!r} must be a positive integer")
+            raise TracememError(f"{source}: {key}={_show(value)} must be {_type_names(types)}")
+        if field in _SIZE_FIELDS and not 0 < value <= MAX_SIZE:
+            raise TracememError(f"{source}: {key}={_show(value)} must be a positive integer "
+                                f"no larger than {MAX_SIZE:,}")
+        if field in _POSITIVE_REALS and not (math.isfinite(value) and value > 0):
+            raise TracememError(f"{source}: {key}={_show(value)} must be a finite number > 0")
         if field in ("num_mtp_modules", "num_shared_experts", "first_k_dense_replace") \
                 and value < 0:
-            raise TracememError(f"{source}: {key}={value!r} must be >= 0")
+            raise TracememError(f"{source}: {key}={_show(value)} must be >= 0")
         if field == "q_lora_rank" and value is not None and value <= 0:
-            raise TracememError(f"{source}: {key}={value!r} must be a positive integer or null")
+            raise TracememError(f"{source}: {key}={_show(value)} must be a positive integer or "
+                                f"null")
         values[field] = float(value) if float in _as_tuple(types) else value
     return ModelConfig(**values)
+
+
+def _show(value: Any) -> str:
+    """A value as JSON writes it (null, true, "text")."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def _as_tuple(types) -> tuple[type, ...]:
@@ -171,13 +192,17 @@ def _as_tuple(types) -> tuple[type, ...]:
 
 
 def _type_names(types) -> str:
+    types = _as_tuple(types)
+    if set(types) == {int, float}:
+        return "a number"
     names = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
              type(None): "null"}
-    return " or ".join(names[t] for t in _as_tuple(types))
+    return " or ".join(names[t] for t in types)
 
 
 def load_config(model: str | Path) -> ModelConfig:
-    """A preset name (``PRESETS``) or the path of a Hugging Face ``config.json``.
+    """A preset name (``PRESETS``), the path of a Hugging Face ``config.json``, or a folder
+    holding one.
 
     Raises:
         TracememError: unknown preset and no such file, unreadable or malformed JSON, or any
@@ -188,9 +213,11 @@ def load_config(model: str | Path) -> ModelConfig:
         text = resources.files("modeling.presets").joinpath(f"{name}.json").read_text()
         return config_from_dict(json.loads(text), name)
     path = Path(name)
+    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face model folder
+        path = path / "config.json"
     if not path.is_file():
         raise TracememError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor "
-                            f"a config.json file")
+                            f"a config.json file (or a folder holding one)")
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as error:

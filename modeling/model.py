@@ -10,11 +10,13 @@ from torch import Tensor, nn
 
 from modeling.block import Block
 from modeling.config import ModelConfig
-from modeling.parallel.plans import LocalSizes
 from modeling.linear import Linear
+from modeling.parallel.plans import LocalSizes
 from modeling.routing import RoutingModel
+from tracemem.errors import TracememError
 
-__all__ = ["Transformer", "MTPModule", "MTP_LOSS_WEIGHT", "build_model", "cast_parameters"]
+__all__ = ["Transformer", "MTPModule", "MTP_LOSS_WEIGHT", "build_model", "cast_parameters",
+           "resolve_experts"]
 
 # DeepSeek-V3 technical report (arXiv 2412.19437), section 4.2: the MTP loss weight is 0.3 for
 # the first 10T training tokens and 0.1 afterwards.
@@ -106,15 +108,37 @@ class Transformer(nn.Module):
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta", *,
-                attention: str = "flash", experts: str = "grouped",
+                attention: str = "flash", experts: str = "auto",
                 dtype: torch.dtype | None = None) -> Transformer:
     """``Transformer(cfg)`` built directly on ``device``, its parameters in ``dtype`` (default
     the config's ``torch_dtype``); buffers (the router's correction bias, RoPE frequencies)
-    stay float32, as in DeepSeek-V3's reference model."""
+    stay float32, as in DeepSeek-V3's reference model. ``experts="auto"`` is "grouped" for
+    bfloat16 parameters and "sequential" otherwise (see ``resolve_experts``).
+
+    Raises:
+        TracememError: ``experts="grouped"`` with parameters that are not bfloat16.
+    """
+    dtype = dtype or getattr(torch, cfg.dtype)
     with torch.device(device):
-        model = Transformer(cfg, attention, experts)
-    cast_parameters(model, dtype or getattr(torch, cfg.dtype))
+        model = Transformer(cfg, attention, resolve_experts(experts, dtype))
+    cast_parameters(model, dtype)
     return model
+
+
+def resolve_experts(experts: str, dtype: torch.dtype) -> str:
+    """The expert kernel for parameters of ``dtype``: ``torch._grouped_mm`` takes bfloat16
+    only, so "auto" picks "grouped" for bfloat16 and "sequential" for other dtypes.
+
+    Raises:
+        TracememError: "grouped" with another dtype.
+    """
+    if experts == "auto":
+        return "grouped" if dtype == torch.bfloat16 else "sequential"
+    if experts == "grouped" and dtype != torch.bfloat16:
+        raise TracememError(f"--experts grouped needs bfloat16 parameters (torch._grouped_mm); "
+                            f"the parameters are {str(dtype).removeprefix('torch.')}: use "
+                            f"--experts sequential or auto")
+    return experts
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:

@@ -71,11 +71,14 @@ def count_total(model: Transformer, include_mtp: bool = True) -> int:
 
 
 def count_activated(model: Transformer, cfg: ModelConfig, include_mtp: bool = False) -> int:
-    """Parameters a token uses: the total less, in every MoE layer, the routed experts it does
-    not go to ((N_r - k) experts of 3 * h * moe_intermediate_size each). The embedding and the
-    head are included (the convention behind DeepSeek-V3's "37B activated")."""
+    """Parameters a token computes with: the total less the input embedding table (a lookup)
+    and, in every MoE layer, the routed experts it does not go to ((N_r - k) experts of
+    3 * h * moe_intermediate_size each); the output head is included. This convention gives
+    DeepSeek's published "activated" figures: V3 36.6B ("37B"), V2 20.9B ("21B"), V2-Lite
+    2.45B ("2.4B")."""
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     layers = range(cfg.num_layers + (cfg.num_mtp_modules if include_mtp else 0))
     unused = sum(cfg.is_moe_layer(i) for i in layers) * (
         cfg.num_routed_experts - cfg.num_experts_per_tok) * per_expert
-    return count_total(model, include_mtp) - unused
+    embedding = 0 if cfg.tie_word_embeddings else count_by_component(model)["embedding"]
+    return count_total(model, include_mtp) - unused - embedding

@@ -13,9 +13,9 @@ Specs (``parse_routing``):
   share proportional to r^-ALPHA.
 - ``hot:K:FRACTION``: K experts (chosen per layer by the seed) share FRACTION of the
   assignments equally; the others share the rest equally.
-- ``counts:FILE``: a JSON list of per-expert counts (must sum to T * k) or fractions (summing
-  to 1), applied to every MoE layer; or an object mapping layer number (as a string) to such a
-  list.
+- ``counts:FILE``: a JSON list of per-expert counts (all integers; must sum to T * k) or
+  fractions (any non-integer; must sum to 1), applied to every MoE layer; or an object mapping
+  layer number (as a string) to such a list.
 
 Shares become integer counts by largest-remainder apportionment (Hamilton's method), then any
 count above T is capped at T and the excess handed to the experts with most room, in order.
@@ -24,6 +24,7 @@ count above T is capped at T and the excess handed to the experts with most room
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -142,7 +143,7 @@ class Counts(RoutingModel):
             raise TracememError(f"--routing {self.spec}: layer {layer} has {len(values)} "
                                 f"counts; the model has {num_experts} routed experts")
         total = num_tokens * top_k
-        if all(float(v).is_integer() for v in values) and sum(values) != 1:
+        if all(isinstance(v, int) for v in values):  # counts; any float makes them fractions
             if sum(values) != total:
                 raise TracememError(
                     f"--routing {self.spec}: layer {layer} counts sum to {int(sum(values))}; "
@@ -154,7 +155,7 @@ class Counts(RoutingModel):
             return [int(v) for v in values]
         if abs(sum(values) - 1) > 1e-6:
             raise TracememError(f"--routing {self.spec}: layer {layer} fractions sum to "
-                                f"{sum(values)}, not 1")
+                                f"{sum(values):.6g}, not 1 (integers are read as counts)")
         return apportion(list(values), total, num_tokens)
 
 
@@ -193,17 +194,18 @@ def _load_counts(path: str) -> Counts:
     def as_list(values, where: str) -> tuple[float, ...]:
         if not isinstance(values, list) or not values or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
-                for v in values):
+                and math.isfinite(v) for v in values) or not math.isfinite(sum(values)):
             raise TracememError(f"--routing counts:{path}: {where} must be a non-empty list "
                                 f"of non-negative numbers")
         return tuple(values)
 
     if isinstance(data, dict):
-        try:
-            per_layer = {int(k): as_list(v, f"layer {k!r}") for k, v in data.items()}
-        except ValueError:
-            raise TracememError(f"--routing counts:{path}: object keys must be layer numbers"
-                                ) from None
+        per_layer = {}
+        for key, values in data.items():
+            if not key.isdigit():
+                raise TracememError(f"--routing counts:{path}: key {json.dumps(key)} is not a "
+                                    f"layer number (0, 1, 2, ...)")
+            per_layer[int(key)] = as_list(values, f"layer {key}")
         return Counts(per_layer=per_layer, source=path)
     return Counts(default=as_list(data, "the file"), source=path)
 
@@ -220,7 +222,7 @@ def parse_routing(spec: str, seed: int = 0) -> RoutingModel:
             return Balanced()
         if kind == "zipf":
             alpha = float(rest)
-            if alpha < 0:
+            if not 0 <= alpha < math.inf:
                 raise ValueError
             return Zipf(alpha, seed)
         if kind == "hot":

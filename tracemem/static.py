@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from modeling.params import count_by_component
 from modeling.parallel.plans import is_expert_param
+from modeling.params import count_by_component
 from tracemem.errors import TracememError
 
 __all__ = ["Precision", "PRECISION_RECIPES", "StaticMemory", "static_memory"]

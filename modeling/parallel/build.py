@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from modeling.config import ModelConfig
-from modeling.model import Transformer, cast_parameters
+from modeling.model import Transformer, cast_parameters, resolve_experts
 from modeling.parallel.plans import local_sizes
 
 __all__ = ["RankCoordinates", "coordinates", "build_rank"]
@@ -46,7 +46,7 @@ def coordinates(par, rank: int) -> RankCoordinates:
 
 
 def build_rank(model_cfg: ModelConfig, par, rank: int, *, attention: str = "flash",
-               experts: str = "grouped", device: str | torch.device = "meta",
+               experts: str = "auto", device: str | torch.device = "meta",
                dtype: torch.dtype | None = None) -> Transformer:
     """The part of the model that global rank ``rank`` holds under ``par`` (a validated
     ``tracemem.ParallelConfig``): the layers of its pipeline stage (one chunk per virtual
@@ -55,14 +55,16 @@ def build_rank(model_cfg: ModelConfig, par, rank: int, *, attention: str = "flas
     shapes under ``par.plan`` (``modeling.parallel.plans``).
 
     Raises:
-        TracememError: rank outside [0, world_size).
+        TracememError: rank outside [0, world_size); "grouped" experts with parameters that are
+            not bfloat16.
     """
     where = coordinates(par, rank)
     sizes = local_sizes(model_cfg, par, where.ep_rank)
     chunks = par.layers_of_stage(where.pp_rank)
+    dtype = dtype or getattr(torch, model_cfg.dtype)
     with torch.device(device):
-        model = Transformer(model_cfg, attention, experts, sizes, chunks,
+        model = Transformer(model_cfg, attention, resolve_experts(experts, dtype), sizes, chunks,
                             pre_process=where.pp_rank == 0,
                             post_process=where.pp_rank == par.pp - 1)
-    cast_parameters(model, dtype or getattr(torch, model_cfg.dtype))
+    cast_parameters(model, dtype)
     return model

@@ -49,6 +49,7 @@ def test_a_config_file_loads_and_unknown_keys_are_ignored(tmp_path):
     path = _write(tmp_path, rope_scaling={"type": "yarn"}, some_future_key=3)
     cfg = load_config(path)
     assert cfg.name == str(path) and cfg.hidden_size == 2048
+    assert load_config(tmp_path).hidden_size == 2048  # a Hugging Face model folder
 
 
 def test_missing_required_key_names_the_key_and_the_file(tmp_path):
@@ -58,9 +59,15 @@ def test_missing_required_key_names_the_key_and_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("hidden_size", "2048", "hidden_size='2048' must be an integer"),
+    ("hidden_size", "2048", 'hidden_size="2048" must be an integer'),
+    ("hidden_size", 2**40, "hidden_size=1099511627776 must be a positive integer no larger "
+                           "than 16,777,216"),
+    ("rms_norm_eps", -1.0, "rms_norm_eps=-1.0 must be a finite number > 0"),
+    ("rms_norm_eps", "1e-6", 'rms_norm_eps="1e-6" must be a number'),
+    ("hidden_act", "gelu", 'hidden_act="gelu" is not supported; tracemem\'s MLP and experts are '
+                           'SwiGLU'),
     ("hidden_size", 0, "hidden_size=0 must be a positive integer"),
-    ("num_experts_per_tok", True, "num_experts_per_tok=True must be an integer"),
+    ("num_experts_per_tok", True, "num_experts_per_tok=true must be an integer"),
     ("q_lora_rank", -1, "q_lora_rank=-1 must be a positive integer or null"),
     ("scoring_func", "relu", "scoring_func='relu' is invalid; it must be one of softmax, sigmoid"),
     ("num_experts_per_tok", 65, "num_experts_per_tok=65 is invalid; it must be at most "

@@ -70,6 +70,17 @@ def test_routed_tokens_reach_the_experts(experts):
         assert allocs(tracer, (20, CFG.moe_intermediate_size), "layers.2.ffn.experts.7")
 
 
+def test_grouped_experts_need_bfloat16_and_auto_picks_the_kernel():
+    from modeling.moe import GroupedExperts
+    from tracemem.errors import TracememError
+
+    with pytest.raises(TracememError, match="--experts grouped needs bfloat16 parameters"):
+        build_model(CFG, "meta", experts="grouped")  # deepseek-tiny is float32
+    assert not isinstance(build_model(CFG, "meta").layers["2"].ffn.experts, GroupedExperts)
+    bf16 = build_model(CFG, "meta", dtype=torch.bfloat16)
+    assert isinstance(bf16.layers["2"].ffn.experts, GroupedExperts)
+
+
 def test_correction_bias_is_a_buffer_not_a_gradient_or_optimizer_state():
     model = build_model(CFG, "meta")
     optimizer = torch.optim.AdamW(model.parameters())

@@ -73,6 +73,8 @@ def test_counts_file_lists_fractions_and_per_layer(tmp_path):
     ("uniform", "--routing 'uniform' is invalid; use balanced, zipf:ALPHA, hot:K:FRACTION"),
     ("zipf:-1", "--routing 'zipf:-1' is invalid"),
     ("zipf:x", "--routing 'zipf:x' is invalid"),
+    ("zipf:nan", "--routing 'zipf:nan' is invalid"),
+    ("zipf:inf", "--routing 'zipf:inf' is invalid"),
     ("hot:0:0.5", "--routing 'hot:0:0.5' is invalid"),
     ("hot:2:1.5", "--routing 'hot:2:1.5' is invalid"),
     ("counts:", "--routing 'counts:' is invalid"),
@@ -96,6 +98,18 @@ def test_counts_that_do_not_fit_the_step_are_clear_errors(tmp_path):
     path.write_text(json.dumps(["a"]))
     with pytest.raises(TracememError, match="must be a non-empty list of non-negative numbers"):
         parse_routing(f"counts:{path}")
+    path.write_text(json.dumps({"3": "x"}))
+    with pytest.raises(TracememError, match="layer 3 must be a non-empty list"):
+        parse_routing(f"counts:{path}")
+    path.write_text(json.dumps({"-1": [1, 1]}))
+    with pytest.raises(TracememError, match='key "-1" is not a layer number'):
+        parse_routing(f"counts:{path}")
+    path.write_text("[" + ",".join(["1e308"] * 4) + "]")
+    with pytest.raises(TracememError, match="non-negative numbers"):
+        parse_routing(f"counts:{path}")
+    path.write_text(json.dumps([0.3] * 4))
+    with pytest.raises(TracememError, match=r"fractions sum to 1\.2, not 1 \(integers are read as "):
+        parse_routing(f"counts:{path}").counts(4, 2, 4, 3)
     with pytest.raises(TracememError, match="K=5 hot experts exceeds the 4 routed experts"):
         Hot(5, 0.5).counts(4, 2, 4, 3)
 
