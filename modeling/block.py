@@ -27,13 +27,15 @@ class Block(nn.Module):
         sizes = sizes or LocalSizes.full(cfg)
         self.layer_id = layer_id
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.attn = MLA(cfg, attention, sizes.num_heads, sizes.replicate_q_rope)
+        self.attn = MLA(cfg, attention, sizes.num_heads, sizes.replicate_q_rope, sizes.sp,
+                        sizes.cp)
         self.ffn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         if cfg.is_moe_layer(layer_id):
             self.ffn = MoE(cfg, experts, sizes.expert_ids, layer_id, sizes.expert_inter,
-                           sizes.shared_inter)
+                           sizes.shared_inter, sizes.ep, sizes.etp,
+                           shared_sp=sizes.sp if sizes.shared_split else 1)
         else:
-            self.ffn = MLP(cfg.hidden_size, sizes.dense_inter)
+            self.ffn = MLP(cfg.hidden_size, sizes.dense_inter, sizes.sp)
 
     def forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
         x = x + self.attn(self.attn_norm(x))

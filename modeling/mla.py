@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from modeling.config import ModelConfig
 from modeling.linear import Linear
+from modeling.parallel.collectives import all_gather, reduce_scatter
 from tracemem.errors import TracememError
 
 __all__ = ["MLA", "ATTENTION_KERNELS", "apply_rope"]
@@ -49,19 +50,25 @@ class MLA(nn.Module):
             separate, replicated ``wq_r`` for all heads, as arXiv 2502.07846 counts it; this
             rank's heads are then narrowed out of its output.
 
-    Input and output ``(b, s, h)``.
+        sp, cp: sequence- and context-parallel degrees. The input and output are this rank's
+            tokens ``(b, s / (cp * sp), h)``. With SP, the q and kv latents are all-gathered
+            along the sequence and saved by the up projections at full length (Megatron-Core
+            saves them sharded and all-gathers again in backward; arXiv 2502.07846 counts them
+            at full length, "2bs(d_cq + d_c) undivided by SP"). With CP, K and V are
+            all-gathered across the CP group before attention.
 
     Raises:
         TracememError: unknown ``attention``.
     """
 
     def __init__(self, cfg: ModelConfig, attention: str = "flash", num_heads: int | None = None,
-                 replicate_q_rope: bool = False):
+                 replicate_q_rope: bool = False, sp: int = 1, cp: int = 1):
         super().__init__()
         if attention not in ATTENTION_KERNELS:
             raise TracememError(f"--attention {attention!r} is invalid; choose one of "
                                 f"{', '.join(ATTENTION_KERNELS)}")
         self.attention = attention
+        self.sp, self.cp = sp, cp
         self.num_heads = num_heads or cfg.num_attention_heads
         self.nope_dim, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.qk_head_dim, self.v_head_dim = cfg.qk_head_dim, cfg.v_head_dim
@@ -89,8 +96,11 @@ class MLA(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (d_r / 2,)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, s, _ = x.shape
+        # Down projections run on this rank's tokens; their outputs are all-gathered along the
+        # sequence (SP) before the column-parallel up projections, as in Megatron-Core's MLA.
         q_in = x if hasattr(self, "wq") else self.q_norm(self.wq_a(x))
+        q_in = all_gather(q_in, self.sp, dim=1)  # (b, s / cp, q_lora_rank or h)
+        b, s, _ = q_in.shape
         q = self.wq(q_in) if hasattr(self, "wq") else self.wq_b(q_in)
         if self.replicate_q_rope:
             q_nope = q.view(b, s, -1, self.nope_dim)  # (b, s, n_local, nope)
@@ -100,17 +110,21 @@ class MLA(nn.Module):
             q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_pe, self.inv_freq)], dim=-1)
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_pe = apply_rope(k_pe.unsqueeze(2), self.inv_freq)  # (b, s, 1, d_r)
-        kv = self.wkv_b(self.kv_norm(kv)).view(b, s, -1, self.nope_dim + self.v_head_dim)
+        kv = all_gather(self.kv_norm(kv), self.sp, dim=1)  # (b, s / cp, kv_lora_rank)
+        k_pe = apply_rope(all_gather(k_pe, self.sp, dim=1).unsqueeze(2), self.inv_freq)
+        kv = self.wkv_b(kv).view(b, s, -1, self.nope_dim + self.v_head_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)  # (b, s, n_h, d)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, n_h, s, d)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, n_h, s / cp, d)
+        # CP: every rank needs all keys and values (all-gather variant of context parallelism)
+        k, v = all_gather(k, self.cp, dim=2), all_gather(v, self.cp, dim=2)
         if self.attention == "eager":
-            scores = (q @ k.transpose(-2, -1)) * self.scale  # (b, n_h, s, s)
-            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+            scores = (q @ k.transpose(-2, -1)) * self.scale  # (b, n_h, s / cp, s)
+            mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=x.device).triu(1)
             probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)
             out = probs.to(v.dtype) @ v  # (b, n_h, s, v_head_dim)
         else:
             out = torch.ops.aten._scaled_dot_product_efficient_attention(
                 q, k, v, None, True, 0.0, True, scale=self.scale)[0]
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        out = self.wo(out.transpose(1, 2).reshape(b, s, -1))  # (b, s / cp, h), partial over TP
+        return reduce_scatter(out, self.sp, dim=1)  # (b, s / (cp * sp), h)

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from modeling.block import Block
 from modeling.config import ModelConfig
 from modeling.linear import Linear
+from modeling.parallel.collectives import all_gather, reduce_scatter
 from modeling.parallel.plans import LocalSizes
 from modeling.routing import RoutingModel
 from tracemem.errors import TracememError
@@ -31,6 +32,7 @@ class MTPModule(nn.Module):
     def __init__(self, layer_id: int, cfg: ModelConfig, attention: str, experts: str,
                  sizes: LocalSizes):
         super().__init__()
+        self.sizes = sizes
         h = cfg.hidden_size
         self.enorm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
         self.hnorm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
@@ -39,8 +41,13 @@ class MTPModule(nn.Module):
         self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
 
     def forward(self, hidden: Tensor, embedded: Tensor, routing: RoutingModel) -> Tensor:
-        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        return self.norm(self.block(x, routing))  # (b, s, h)
+        """``hidden``, ``embedded``: this rank's tokens ``(b, s_local, h)``."""
+        sp, tp = self.sizes.sp, self.sizes.tp
+        x = torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1)  # (b, s_local, 2h)
+        # column-parallel eh_proj (Megatron-Core multi_token_prediction.py): gather the
+        # sequence, project to h / tp, gather the hidden dimension, split the sequence again
+        x = all_gather(self.eh_proj(all_gather(x, sp, dim=1)), tp, dim=-1)
+        return self.norm(self.block(reduce_scatter(x, sp, dim=1), routing))
 
 
 class Transformer(nn.Module):
@@ -67,7 +74,7 @@ class Transformer(nn.Module):
                  pre_process: bool = True, post_process: bool = True):
         super().__init__()
         sizes = sizes or LocalSizes.full(cfg)
-        self.cfg = cfg
+        self.cfg, self.sizes = cfg, sizes
         self.chunks = chunks if chunks is not None else [list(range(cfg.num_layers))]
         self.pre_process, self.post_process = pre_process, post_process
         has_mtp = post_process and cfg.num_mtp_modules > 0
@@ -84,17 +91,24 @@ class Transformer(nn.Module):
                 str(i): MTPModule(cfg.num_layers + i, cfg, attention, experts, sizes)
                 for i in range(cfg.num_mtp_modules)})
 
+    def _embed(self, tokens: Tensor) -> Tensor:
+        # vocabulary-parallel embedding: with SP its sum over TP is reduce-scattered along the
+        # sequence (Megatron-Core LanguageModelEmbedding), else all-reduced in place
+        return reduce_scatter(self.embed(tokens), self.sizes.sp, dim=1)  # (b, s_local, h)
+
     def _loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        logits = self.head(hidden)  # (b, s, vocab held)
+        hidden = all_gather(hidden, self.sizes.sp, dim=1)  # column-parallel head: full sequence
+        logits = self.head(hidden)  # (b, s / cp, vocab held)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
     def forward(self, inputs: Tensor, labels: Tensor, routing: RoutingModel,
                 chunk: int = 0) -> Tensor:
-        """``inputs``: tokens ``(b, s)`` on the first chunk of the first stage, else the hidden
-        states ``(b, s, h)`` received from the previous stage."""
+        """``inputs``: tokens ``(b, s / cp)`` on the first chunk of the first stage, else the
+        hidden states ``(b, s / (cp * sp), h)`` received from the previous stage; ``labels``
+        ``(b, s / cp)``."""
         first = chunk == 0 and self.pre_process
         last = chunk == len(self.chunks) - 1 and self.post_process
-        h = self.embed(inputs) if first else inputs
+        h = self._embed(inputs) if first else inputs
         for i in self.chunks[chunk]:
             h = self.layers[str(i)](h, routing)
         if not last:
@@ -102,7 +116,7 @@ class Transformer(nn.Module):
         loss = self._loss(self.norm(h), labels)
         tokens = labels  # the MTP embeds the following tokens: the labels, rolled further
         for depth, module in enumerate(self.mtp.values(), start=1):
-            h = module(h, self.embed(tokens.roll(-(depth - 1), dims=1)), routing)
+            h = module(h, self._embed(tokens.roll(-(depth - 1), dims=1)), routing)
             loss = loss + MTP_LOSS_WEIGHT * self._loss(h, labels.roll(-depth, dims=1))
         return loss
 

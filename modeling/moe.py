@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from modeling.config import ModelConfig
 from modeling.mlp import MLP
+from modeling.parallel.collectives import all_gather, all_to_all, reduce_scatter
 from modeling.routing import RoutingModel
 from tracemem.errors import TracememError
 
@@ -107,6 +108,16 @@ class MoE(nn.Module):
         layer_id: the global layer number, passed to the routing model.
         expert_inter, shared_inter: the widths held of each routed expert (ETP shards it) and
             of the shared experts (TP shards them); default the config's.
+        ep, etp: expert- and expert-tensor-parallel degrees. With EP the token-slots go out
+            and come back through all-to-alls; this rank's experts receive EP times the slots
+            its own tokens send them (every EP peer is assumed to route like this rank). With
+            ETP the received tokens are all-gathered over the ETP group before the experts and
+            reduce-scattered after.
+        shared_sp: the shared experts' sequence-parallel degree (they are TP-split and gather
+            the sequence), 1 when they are replicated.
+
+    The input is this rank's tokens ``(b, s_local, h)`` (sequence-parallel: the router and the
+    dispatch see local tokens only, as Megatron-Core's MoE layer does).
 
     ``forward(x, routing)``: ``x`` ``(b, s, h)``; ``routing`` says how many token-slots each
     expert receives (asked after the router has run, so a routing model that observes real
@@ -116,13 +127,15 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, experts: str = "grouped",
                  expert_ids: range | None = None, layer_id: int = 0,
-                 expert_inter: int | None = None, shared_inter: int | None = None):
+                 expert_inter: int | None = None, shared_inter: int | None = None,
+                 ep: int = 1, etp: int = 1, shared_sp: int = 1):
         super().__init__()
         if experts not in EXPERT_KERNELS:
             raise TracememError(f"--experts {experts!r} is invalid; choose one of "
                                 f"{', '.join(EXPERT_KERNELS)}")
         self.cfg = cfg
         self.layer_id = layer_id
+        self.ep, self.etp = ep, etp
         self.expert_ids = expert_ids or range(cfg.num_routed_experts)
         n, h = len(self.expert_ids), cfg.hidden_size
         inter = expert_inter or cfg.moe_intermediate_size
@@ -133,7 +146,7 @@ class MoE(nn.Module):
             self.experts = GroupedExperts(n, h, inter)
         else:
             self.experts = nn.ModuleList(MLP(h, inter) for _ in range(n))
-        self.shared_experts = MLP(h, shared) if shared else None
+        self.shared_experts = MLP(h, shared, shared_sp) if shared else None
 
     def forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
         shape = x.shape
@@ -144,18 +157,27 @@ class MoE(nn.Module):
                                     expert_ids=ids)
         counts = [all_counts[e] for e in self.expert_ids]
         order = ids.view(-1).argsort(stable=True)  # token-slots sorted by expert, (T * k,)
-        if len(counts) < len(all_counts):  # only the slots of the experts held here
+        if self.ep == 1 and len(counts) < len(all_counts):  # only the slots of local experts
             first = sum(all_counts[:self.expert_ids.start])
             order = order.narrow(0, first, sum(counts))
         token = order // k  # the token of each sorted slot
-        routed_in = x.index_select(0, token)  # (T * k, h), grouped by expert
+        routed_in = x.index_select(0, token)  # (slots, h), grouped by expert
+        if self.ep > 1:  # dispatch: every EP peer is assumed to route as this rank does
+            counts = [c * self.ep for c in counts]
+            routed_in = all_to_all(routed_in, sum(counts))
+        if self.etp > 1:  # tokens of the whole ETP group go through each expert shard
+            counts = [c * self.etp for c in counts]
+            routed_in = all_gather(routed_in, self.etp, dim=0)
         if isinstance(self.experts, GroupedExperts):
             routed_out = self.experts(routed_in, counts)
         else:
             routed_out = torch.cat([expert(chunk) for expert, chunk in
                                     zip(self.experts, routed_in.split(counts))])
+        routed_out = reduce_scatter(routed_out, self.etp, dim=0)
+        if self.ep > 1:  # combine: the reverse all-to-all brings this rank's slots back
+            routed_out = all_to_all(routed_out, order.shape[0])
         routed_out = routed_out * weights.view(-1).index_select(0, order).unsqueeze(-1)
-        y = torch.zeros_like(x).index_add(0, token, routed_out)  # combine, (T, h)
+        y = torch.zeros_like(x).index_add(0, token, routed_out).view(shape)  # combine
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y.view(shape)
+            y = y + self.shared_experts(x.view(shape))
+        return y

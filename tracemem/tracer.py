@@ -436,6 +436,13 @@ class MemoryTracer(TorchDispatchMode):
             rec.category = Category.ACTIVATION
         return t
 
+    def tag(self, tensor: Tensor, category: Category) -> None:
+        """Give the storage of ``tensor`` (born in the traced region) ``category``: how
+        collective wrappers mark their buffers ``comm_buffer``."""
+        rec = self._live.get(tensor.untyped_storage()._cdata)
+        if rec is not None and rec.phase is not Phase.EXTERNAL:
+            rec.category = category
+
     def _retag(self, t: Tensor | None, category: Category, module: str | None = None) -> None:
         """Give a storage born in the region its final category (and module)."""
         if t is None:

@@ -54,6 +54,10 @@ class LocalSizes:
         vocab: embedding rows and head columns held.
         eh_proj_out: MTP eh_proj output width held.
         replicate_q_rope: the query RoPE columns of wq_b are a separate, replicated ``wq_r``.
+        tp: tensor-parallel degree; sp: the sequence-parallel degree (tp with SP, else 1);
+        cp, ep, etp: context-, expert- and expert-tensor-parallel degrees. They decide which
+            collectives the forward runs (``modeling.parallel.collectives``).
+        shared_split: the shared experts are split over TP (so they gather the sequence).
     """
 
     num_heads: int
@@ -64,6 +68,12 @@ class LocalSizes:
     vocab: int
     eh_proj_out: int
     replicate_q_rope: bool = False
+    tp: int = 1
+    sp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    shared_split: bool = True
 
     @classmethod
     def full(cls, cfg) -> LocalSizes:
@@ -96,6 +106,8 @@ def local_sizes(cfg, par, ep_rank: int = 0) -> LocalSizes:
         vocab=vocab // par.tp,
         eh_proj_out=cfg.hidden_size // par.tp,
         replicate_q_rope=paper,
+        tp=par.tp, sp=par.tp if par.sp else 1, cp=par.cp, ep=par.ep, etp=par.etp,
+        shared_split=not paper,
     )
 
 

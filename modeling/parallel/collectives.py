@@ -1,0 +1,88 @@
+"""Collectives of one rank, as autograd Functions that allocate the buffers a real run
+allocates, marked ``comm_buffer`` in the active ``MemoryTracer``.
+
+One process stands for one rank, so the data is not exchanged: an all-gather concatenates
+``world`` copies of the local tensor, a reduce-scatter keeps a copy of this rank's slice, an
+all-to-all returns an uninitialised buffer of the received size. Shapes, dtypes and lifetimes
+are those of the real collective (Megatron-Core ``tensor_parallel/mappings.py``:
+``gather_from_sequence_parallel_region`` backward is a reduce-scatter and vice versa;
+``moe/token_dispatcher.py``: the all-to-all's backward is the reverse all-to-all). NCCL's own
+internal buffers are below the dispatcher and not counted.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from tracemem.categories import Category
+from tracemem.tracer import MemoryTracer
+
+__all__ = ["all_gather", "reduce_scatter", "all_to_all"]
+
+
+def _comm(t: Tensor) -> Tensor:
+    mode = _get_current_dispatch_mode()
+    if isinstance(mode, MemoryTracer):
+        mode.tag(t, Category.COMM_BUFFER)
+    return t
+
+
+def _gather(x: Tensor, world: int, dim: int) -> Tensor:
+    return _comm(torch.cat([x] * world, dim=dim))
+
+
+def _scatter(x: Tensor, world: int, dim: int) -> Tensor:
+    return _comm(x.narrow(dim, 0, x.shape[dim] // world).clone())
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, world: int, dim: int) -> Tensor:
+        ctx.world, ctx.dim = world, dim
+        return _gather(x, world, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _scatter(grad, ctx.world, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, world: int, dim: int) -> Tensor:
+        ctx.world, ctx.dim = world, dim
+        return _scatter(x, world, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _gather(grad, ctx.world, ctx.dim), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, rows_out: int) -> Tensor:
+        ctx.rows_in = x.shape[0]
+        return _comm(x.new_empty((rows_out, *x.shape[1:])))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _comm(grad.new_empty((ctx.rows_in, *grad.shape[1:]))), None
+
+
+def all_gather(x: Tensor, world: int, dim: int) -> Tensor:
+    """All-gather along ``dim`` over ``world`` ranks: output ``world`` times longer in ``dim``;
+    its backward reduce-scatters. Identity when ``world`` is 1."""
+    return x if world == 1 else _AllGather.apply(x, world, dim)
+
+
+def reduce_scatter(x: Tensor, world: int, dim: int) -> Tensor:
+    """Reduce-scatter along ``dim`` over ``world`` ranks: output ``world`` times shorter in
+    ``dim``; its backward all-gathers. Identity when ``world`` is 1."""
+    return x if world == 1 else _ReduceScatter.apply(x, world, dim)
+
+
+def all_to_all(x: Tensor, rows_out: int) -> Tensor:
+    """All-to-all of ``x`` ``(rows_in, ...)``: this rank receives ``rows_out`` rows; the
+    backward sends ``rows_out`` gradient rows and receives ``rows_in``."""
+    return _AllToAll.apply(x, rows_out)
