@@ -5,6 +5,7 @@ a dense SwiGLU MLP for the first ``first_k_dense_replace`` layers and an MoE aft
 from __future__ import annotations
 
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from modeling.config import ModelConfig
 from modeling.mla import MLA
@@ -12,8 +13,15 @@ from modeling.mlp import MLP
 from modeling.moe import MoE
 from modeling.parallel.plans import LocalSizes
 from modeling.routing import RoutingModel
+from tracemem.errors import TracememError
 
-__all__ = ["Block"]
+__all__ = ["Block", "RECOMPUTE_MODES", "RECOMPUTE_MODULES"]
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+# Megatron-LM's --recompute-modules names (megatron/core/transformer/transformer_config.py):
+# core attention, MLA up projections (with RoPE and core attention), the RMSNorms, the dense
+# MLP, the whole MoE layer.
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "mlp", "moe")
 
 
 class Block(nn.Module):
@@ -26,6 +34,7 @@ class Block(nn.Module):
         super().__init__()
         sizes = sizes or LocalSizes.full(cfg)
         self.layer_id = layer_id
+        self.recompute, self.recompute_modules = "none", frozenset()
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.attn = MLA(cfg, attention, sizes.num_heads, sizes.replicate_q_rope, sizes.sp,
                         sizes.cp)
@@ -37,7 +46,42 @@ class Block(nn.Module):
         else:
             self.ffn = MLP(cfg.hidden_size, sizes.dense_inter, sizes.sp)
 
+    def set_recompute(self, recompute: str, modules: frozenset[str] = frozenset()) -> None:
+        """``"none"``; ``"full"``: the whole layer is recomputed in backward (Megatron's
+        "uniform" method, one layer per checkpoint); ``"selective"``: the ``modules`` named
+        (``RECOMPUTE_MODULES``) are. Uses ``torch.utils.checkpoint`` (non-reentrant).
+
+        Raises:
+            TracememError: unknown mode or module.
+        """
+        if recompute not in RECOMPUTE_MODES:
+            raise TracememError(f"--recompute {recompute!r} is invalid; choose one of "
+                                f"{', '.join(RECOMPUTE_MODES)}")
+        unknown = set(modules) - set(RECOMPUTE_MODULES)
+        if unknown:
+            raise TracememError(f"--recompute-modules {', '.join(sorted(unknown))} is invalid; "
+                                f"choose from {', '.join(RECOMPUTE_MODULES)}")
+        self.recompute = recompute
+        self.recompute_modules = frozenset(modules) if recompute == "selective" else frozenset()
+        self.attn.recompute = self.recompute_modules & {"core_attn", "mla_up_proj"}
+
     def forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        h = self.ffn_norm(x)
-        return x + (self.ffn(h, routing) if isinstance(self.ffn, MoE) else self.ffn(h))
+        if self.recompute == "full":
+            return checkpoint(self._forward, x, routing, use_reentrant=False)
+        return self._forward(x, routing)
+
+    def _forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
+        x = x + self.attn(self._norm(self.attn_norm, x))
+        h = self._norm(self.ffn_norm, x)
+        if isinstance(self.ffn, MoE):
+            run = lambda h: self.ffn(h, routing)  # noqa: E731
+        else:
+            run = self.ffn
+        if ("moe" if isinstance(self.ffn, MoE) else "mlp") in self.recompute_modules:
+            return x + checkpoint(run, h, use_reentrant=False)
+        return x + run(h)
+
+    def _norm(self, norm: nn.Module, x: Tensor) -> Tensor:
+        if "layernorm" in self.recompute_modules:
+            return checkpoint(norm, x, use_reentrant=False)
+        return norm(x)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from modeling.config import ModelConfig
 from modeling.linear import Linear
@@ -69,6 +70,7 @@ class MLA(nn.Module):
                                 f"{', '.join(ATTENTION_KERNELS)}")
         self.attention = attention
         self.sp, self.cp = sp, cp
+        self.recompute: frozenset[str] = frozenset()  # set by Block: "core_attn", "mla_up_proj"
         self.num_heads = num_heads or cfg.num_attention_heads
         self.nope_dim, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.qk_head_dim, self.v_head_dim = cfg.qk_head_dim, cfg.v_head_dim
@@ -100,6 +102,17 @@ class MLA(nn.Module):
         # sequence (SP) before the column-parallel up projections, as in Megatron-Core's MLA.
         q_in = x if hasattr(self, "wq") else self.q_norm(self.wq_a(x))
         q_in = all_gather(q_in, self.sp, dim=1)  # (b, s / cp, q_lora_rank or h)
+        kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = all_gather(self.kv_norm(kv), self.sp, dim=1)  # (b, s / cp, kv_lora_rank)
+        k_pe = all_gather(k_pe, self.sp, dim=1)  # (b, s / cp, d_r)
+        if "mla_up_proj" in self.recompute:  # up projections, RoPE and core attention
+            out = checkpoint(self._up_proj_and_attention, q_in, kv, k_pe, use_reentrant=False)
+        else:
+            out = self._up_proj_and_attention(q_in, kv, k_pe)
+        out = self.wo(out)  # (b, s / cp, h), partial sums over TP
+        return reduce_scatter(out, self.sp, dim=1)  # (b, s / (cp * sp), h)
+
+    def _up_proj_and_attention(self, q_in: Tensor, kv: Tensor, k_pe: Tensor) -> Tensor:
         b, s, _ = q_in.shape
         q = self.wq(q_in) if hasattr(self, "wq") else self.wq_b(q_in)
         if self.replicate_q_rope:
@@ -109,22 +122,25 @@ class MLA(nn.Module):
             q = q.view(b, s, -1, self.qk_head_dim)  # (b, s, n_local, qk_head_dim)
             q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_pe, self.inv_freq)], dim=-1)
-        kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = all_gather(self.kv_norm(kv), self.sp, dim=1)  # (b, s / cp, kv_lora_rank)
-        k_pe = apply_rope(all_gather(k_pe, self.sp, dim=1).unsqueeze(2), self.inv_freq)
+        k_pe = apply_rope(k_pe.unsqueeze(2), self.inv_freq)  # (b, s, 1, d_r)
         kv = self.wkv_b(kv).view(b, s, -1, self.nope_dim + self.v_head_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)  # (b, s, n_h, d)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, n_h, s / cp, d)
         # CP: every rank needs all keys and values (all-gather variant of context parallelism)
         k, v = all_gather(k, self.cp, dim=2), all_gather(v, self.cp, dim=2)
+        if "core_attn" in self.recompute:
+            out = checkpoint(self._core_attention, q, k, v, use_reentrant=False)
+        else:
+            out = self._core_attention(q, k, v)
+        return out.transpose(1, 2).reshape(b, s, -1)  # (b, s / cp, n_local * v_head_dim)
+
+    def _core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.attention == "eager":
             scores = (q @ k.transpose(-2, -1)) * self.scale  # (b, n_h, s / cp, s)
-            mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=x.device).triu(1)
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool,
+                              device=q.device).triu(1)
             probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)
-            out = probs.to(v.dtype) @ v  # (b, n_h, s, v_head_dim)
-        else:
-            out = torch.ops.aten._scaled_dot_product_efficient_attention(
-                q, k, v, None, True, 0.0, True, scale=self.scale)[0]
-        out = self.wo(out.transpose(1, 2).reshape(b, s, -1))  # (b, s / cp, h), partial over TP
-        return reduce_scatter(out, self.sp, dim=1)  # (b, s / (cp * sp), h)
+            return probs.to(v.dtype) @ v  # (b, n_h, s / cp, v_head_dim)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, True, scale=self.scale)[0]

@@ -432,15 +432,17 @@ class MemoryTracer(TorchDispatchMode):
             rec = self._live.get(t.untyped_storage()._cdata)
         except (RuntimeError, NotImplementedError):
             return t
-        if rec is not None and rec.category is Category.TEMPORARY:
-            rec.category = Category.ACTIVATION
+        if rec is not None and rec.category in (Category.TEMPORARY, Category.COMM_BUFFER):
+            rec.category = Category.ACTIVATION  # a received buffer kept for backward is one
         return t
 
     def tag(self, tensor: Tensor, category: Category) -> None:
         """Give the storage of ``tensor`` (born in the traced region) ``category``: how
-        collective wrappers mark their buffers ``comm_buffer``."""
+        collective wrappers mark their buffers ``comm_buffer``. A storage saved for backward
+        stays an ``activation``."""
         rec = self._live.get(tensor.untyped_storage()._cdata)
-        if rec is not None and rec.phase is not Phase.EXTERNAL:
+        if rec is not None and rec.phase is not Phase.EXTERNAL \
+                and rec.category is not Category.ACTIVATION:
             rec.category = category
 
     def _retag(self, t: Tensor | None, category: Category, module: str | None = None) -> None:

@@ -1,0 +1,324 @@
+"""``estimate``: the peak memory of every distinct rank of a training job, by tracing one rank
+per class on the meta device and replaying its microbatches in pipeline-schedule order.
+
+For each rank class (a pipeline stage; under skewed routing, the stage's most loaded EP rank)
+the rank's model (``build_rank``) runs two microbatches, forward and backward, under a
+``MemoryTracer``; each forward and each backward is an event segment. The schedule
+(``tracemem.schedules``) gives the rank's order of forward and backward steps; replaying the
+segments in that order, with distinct storages per microbatch, on top of the static memory
+(``tracemem.static``), gives the rank's memory at every event. Microbatches are independent
+apart from gradient accumulation, which the second microbatch's segments capture, so the
+replay is exact for what the tracer sees.
+
+Conventions, each a line item:
+- Gradients live in preallocated fp32 main-grad buffers (Megatron-Core DDP), counted in static
+  memory; the bf16 gradient a backward produces is a transient, added to the main grad and
+  freed at once.
+- A stage keeps its received input until the microbatch's backward; its sent output's data is
+  freed at once (Megatron's ``deallocate_output_tensor``, on by default).
+- Not modelled: the optimizer step's own temporaries (Megatron's fused Adam allocates none),
+  NCCL and kernel workspaces, the caching allocator beyond block rounding.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from modeling.block import Block
+from modeling.config import ModelConfig, load_config
+from modeling.parallel.build import build_rank, coordinates
+from modeling.parallel.pp import (
+    backward_from,
+    recv_backward,
+    recv_forward,
+    send_forward,
+)
+from modeling.routing import RoutingModel, parse_routing
+from tracemem.categories import Category
+from tracemem.errors import TracememError
+from tracemem.parallel import ParallelConfig
+from tracemem.schedules import Step, schedule
+from tracemem.static import StaticMemory, static_memory
+from tracemem.tracer import MemoryTracer
+
+__all__ = ["RankEstimate", "Estimate", "estimate", "parse_bytes"]
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"`` -> 85899345920. Units: B, KiB, MiB, GiB, TiB (binary).
+
+    Raises:
+        TracememError: not a number followed by one of those units.
+    """
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            try:
+                value = float(text[:-len(unit)])
+            except ValueError:
+                break
+            if value > 0:
+                return int(value * _UNITS[unit])
+    raise TracememError(f"--hbm {text!r} is invalid; give a size such as 80GiB or 141GiB "
+                        f"(units {', '.join(_UNITS)})")
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    """The peak of one rank class. Every ``*_bytes`` is what is alive at the peak.
+
+    Attributes:
+        pp_stage: pipeline rank; ep_rank: the EP rank traced (None when all are alike);
+        rank: the global rank traced; layers: its decoder layers.
+        inflight_microbatches: microbatch forwards (model chunks) held at the peak.
+        peak_step: the schedule step running at the peak (``"0F3"``), or None if the static
+            memory alone is the peak.
+        peak_bytes: the peak; parameter / gradient / optimizer_state / buffer bytes come from
+            ``static``; activation / comm_buffer / temporary / input bytes from the replay.
+    """
+
+    pp_stage: int
+    ep_rank: int | None
+    rank: int
+    layers: list[int]
+    inflight_microbatches: int
+    peak_step: str | None
+    peak_bytes: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    buffer_bytes: int
+    activation_bytes: int
+    comm_buffer_bytes: int
+    temporary_bytes: int
+    input_bytes: int
+    zero3_gather_bytes: int
+    static: StaticMemory = field(repr=False)
+    by_module: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def dominant(self) -> tuple[str, int]:
+        """The largest line item at the peak."""
+        items = {"parameters": self.parameter_bytes, "gradients": self.gradient_bytes,
+                 "optimizer states": self.optimizer_state_bytes,
+                 "activations": self.activation_bytes,
+                 "communication buffers": self.comm_buffer_bytes,
+                 "temporaries": self.temporary_bytes}
+        return max(items.items(), key=lambda kv: kv[1])
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The result of ``estimate``: one ``RankEstimate`` per rank class, and the settings."""
+
+    model: str
+    parallel: ParallelConfig
+    settings: dict
+    ranks: list[RankEstimate]
+    hbm_bytes: int | None = None
+
+    @property
+    def worst(self) -> RankEstimate:
+        return max(self.ranks, key=lambda r: r.peak_bytes)
+
+
+@dataclass
+class _Segments:
+    """Traced event segments of one rank: (chunk, kind, microbatch 0 or 1) -> events."""
+
+    events: dict[tuple[int, str, int], list] = field(default_factory=dict)
+
+
+def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: int,
+                routing: RoutingModel, attention: str, experts: str, recompute: str,
+                recompute_modules: frozenset[str], deallocate: bool,
+                rounding: int | None) -> tuple[object, _Segments]:
+    model = build_rank(cfg, par, rank, attention=attention, experts=experts,
+                       dtype=torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.set_recompute(recompute, recompute_modules)
+    seq = s // par.cp
+    local = seq // (par.tp if par.sp else 1)
+    tracer = MemoryTracer(rounding=rounding, devices={"meta"})
+    tracer.track_external(model)
+    segments = _Segments()
+    last_chunk = len(model.chunks) - 1
+    for chunk in range(len(model.chunks)):
+        first = chunk == 0 and model.pre_process
+        last = chunk == last_chunk and model.post_process
+        for mb in (0, 1):
+            start = len(tracer.events)
+            with tracer:
+                labels = torch.zeros(b, seq, dtype=torch.long, device="meta")
+                inputs = (torch.zeros(b, seq, dtype=torch.long, device="meta") if first else
+                          recv_forward((b, local, cfg.hidden_size), torch.bfloat16))
+                output = model(inputs, labels, routing, chunk)
+                if not last:
+                    send_forward(output, deallocate)
+            middle = len(tracer.events)
+            with tracer:
+                grad = None if last else recv_backward((b, local, cfg.hidden_size),
+                                                       torch.bfloat16)
+                backward_from(output, grad)
+                del inputs, output, labels, grad  # the schedule drops them after backward
+            segments.events[(chunk, "F", mb)] = tracer.events[start:middle]
+            segments.events[(chunk, "B", mb)] = tracer.events[middle:len(tracer.events)]
+    return model, segments
+
+
+def _replay(steps: list[Step], pp: int, segments: _Segments, static: StaticMemory):
+    """Replay the rank's steps; returns (peak, step index or None, in-flight, live by
+    category, live by module) at the peak."""
+    current = static.total_bytes
+    peak, peak_at, peak_live = current, None, {}
+    live: dict[tuple[int, int, int], tuple[int, object]] = {}
+    started = finished = 0
+    inflight_at_peak = 0
+    for index, step in enumerate(steps):
+        chunk = step.stage // pp
+        key = (chunk, step.kind, min(step.microbatch, 1))
+        if step.kind == "F":
+            started += 1
+        for event in segments.events[key]:
+            sid = (step.stage, step.microbatch, event.storage_id)
+            if event.action == "alloc":
+                transient = event.category is Category.GRADIENT  # into the main grad
+                if not transient:
+                    live[sid] = (event.nbytes, event)
+                current += event.nbytes
+                if current > peak:
+                    peak, peak_at, inflight_at_peak = current, index, started - finished
+                    peak_live = dict(live)
+                    if transient:
+                        peak_live[sid] = (event.nbytes, event)
+                if transient:
+                    current -= event.nbytes
+            elif sid in live:
+                current -= live.pop(sid)[0]
+        if step.kind == "B":
+            finished += 1
+    by_category: dict[str, int] = {}
+    by_module: dict[str, int] = {}
+    for nbytes, event in peak_live.values():
+        by_category[event.category.value] = by_category.get(event.category.value, 0) + nbytes
+        by_module[event.module] = by_module.get(event.module, 0) + nbytes
+    return peak, peak_at, inflight_at_peak, by_category, by_module
+
+
+def _worst_ep_rank(cfg: ModelConfig, par: ParallelConfig, stage: int, routing: RoutingModel,
+                   tokens: int) -> int:
+    """The EP rank of ``stage`` whose experts receive the most token-slots."""
+    per_ep = cfg.num_routed_experts // par.ep
+    load = [0] * par.ep
+    for chunk in par.layers_of_stage(stage):
+        for layer in chunk:
+            if cfg.is_moe_layer(layer):
+                counts = routing.counts(tokens, cfg.num_experts_per_tok,
+                                        cfg.num_routed_experts, layer)
+                for e in range(par.ep):
+                    load[e] += sum(counts[e * per_ep:(e + 1) * per_ep])
+    return max(range(par.ep), key=lambda e: (load[e], -e))
+
+
+def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int,
+             seq_length: int, num_microbatches: int, schedule_name: str = "1f1b",
+             recompute: str = "none", recompute_modules: tuple[str, ...] = ("core_attn",),
+             attention: str = "flash", experts: str = "auto", routing: str = "balanced",
+             seed: int = 0, rounding: int | None = 512, deallocate_pipeline_outputs: bool = True,
+             hbm: str | None = None, progress: Callable[[str], None] | None = None,
+             **layout) -> Estimate:
+    """Peak memory of every distinct rank.
+
+    Args:
+        model: a preset name, a config.json path, or a ``ModelConfig``.
+        world_size, layout: the parallel layout (``ParallelConfig.create`` keywords: tp, sp,
+            cp, ep, etp, pp, vpp, pp_layout, pp_first_stage_layers, pp_last_stage_layers,
+            zero, precision, plan).
+        micro_batch_size, seq_length, num_microbatches: b, s (tokens) and M per step.
+        schedule_name: ``tracemem.schedules.SCHEDULES``.
+        recompute, recompute_modules: ``modeling.block.Block.set_recompute``.
+        attention, experts: kernels (``modeling.mla``, ``modeling.moe``).
+        routing, seed: a routing model spec (``modeling.routing.parse_routing``).
+        rounding: CUDA block rounding in bytes (512) or None for exact bytes.
+        hbm: device memory, e.g. "80GiB", to say whether each rank fits.
+        progress: called with a message before each rank class is traced.
+
+    Raises:
+        TracememError: any invalid input, with the flag, the value and a fix.
+    """
+    cfg = model if isinstance(model, ModelConfig) else load_config(model)
+    par = ParallelConfig.create(cfg, world_size=world_size, **layout)
+    for flag, value in (("--micro-batch-size", micro_batch_size), ("--seq-length", seq_length),
+                        ("--num-microbatches", num_microbatches)):
+        if not isinstance(value, int) or value <= 0:
+            raise TracememError(f"{flag} {value!r} must be a positive integer")
+    if par.tp > 1 and par.ep > 1 and not par.sp:
+        raise TracememError("--tp > 1 with --ep > 1 needs --sp (Megatron-Core's "
+                            "ModelParallelConfig: with expert and tensor parallelism, sequence "
+                            "parallelism must be used)")
+    split = par.cp * (par.tp if par.sp else 1)
+    if seq_length % split:
+        raise TracememError(f"--seq-length {seq_length} must be a multiple of cp * sp = "
+                            f"{split} (the sequence is split across them)")
+    hbm_bytes = parse_bytes(hbm) if hbm else None
+    routing_model = parse_routing(routing, seed)
+    steps_by_rank = schedule(schedule_name, par.pp, par.vpp, num_microbatches)
+    tokens = micro_batch_size * seq_length // split
+    results, cache = [], {}
+    for stage in range(par.pp):
+        ep_rank = None
+        if routing != "balanced" and par.ep > 1:
+            ep_rank = _worst_ep_rank(cfg, par, stage, routing_model, tokens)
+        rank = stage * (par.world_size // par.pp) + (ep_rank or 0) * par.etp
+        assert coordinates(par, rank).ep_rank == (ep_rank or 0)
+        layers = [i for chunk in par.layers_of_stage(stage) for i in chunk]
+        signature = (stage == 0, stage == par.pp - 1, ep_rank,
+                     tuple(cfg.is_moe_layer(i) for i in layers),
+                     None if routing == "balanced" else tuple(layers))
+        if progress:
+            progress(f"tracing pipeline stage {stage + 1}/{par.pp}")
+        if signature not in cache:
+            model_obj, segments = _trace_rank(
+                cfg, par, rank, b=micro_batch_size, s=seq_length, routing=routing_model,
+                attention=attention, experts=experts, recompute=recompute,
+                recompute_modules=frozenset(recompute_modules),
+                deallocate=deallocate_pipeline_outputs, rounding=rounding)
+            cache[signature] = (static_memory(model_obj, par), segments)
+        static, segments = cache[signature]
+        steps = steps_by_rank[stage]
+        peak, at, inflight, live, modules = _replay(steps, par.pp, segments, static)
+        results.append(RankEstimate(
+            pp_stage=stage, ep_rank=ep_rank, rank=rank, layers=layers,
+            inflight_microbatches=inflight, peak_step=None if at is None else str(steps[at]),
+            peak_bytes=peak, parameter_bytes=static.param_bytes,
+            gradient_bytes=static.grad_bytes + live.get("gradient", 0),
+            optimizer_state_bytes=static.optimizer_bytes,
+            buffer_bytes=static.buffer_bytes + live.get("buffer", 0),
+            activation_bytes=live.get("activation", 0),
+            comm_buffer_bytes=live.get("comm_buffer", 0),
+            temporary_bytes=live.get("temporary", 0), input_bytes=live.get("input", 0),
+            zero3_gather_bytes=static.zero3_gather_bytes, static=static,
+            by_module=dict(sorted(modules.items(), key=lambda kv: -kv[1])[:10])))
+    settings = {"micro_batch_size": micro_batch_size, "seq_length": seq_length,
+                "num_microbatches": num_microbatches, "schedule": schedule_name,
+                "recompute": recompute,
+                "recompute_modules": list(recompute_modules) if recompute == "selective"
+                else [], "attention": attention, "experts": experts, "routing": routing,
+                "seed": seed, "rounding": rounding,
+                "deallocate_pipeline_outputs": deallocate_pipeline_outputs}
+    return Estimate(cfg.name, par, settings, results, hbm_bytes)
+
+
+def stderr_progress(quiet: bool) -> Callable[[str], None] | None:
+    """A progress printer on stderr, or None when quiet or stderr is not a terminal."""
+    if quiet or not sys.stderr.isatty():
+        return None
+
+    def report(message: str) -> None:
+        print(f"\r{message:<60}", end="", file=sys.stderr, flush=True)
+    return report
