@@ -12,8 +12,15 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+# The main job: DeepSeek-V3 on 1024 GPUs (TP 2 + SP, PP 16, EP 8), b=1, s=4096, 16 microbatches,
+# 1F1B, flash attention, ZeRO-1, Megatron precision; one row per pipeline stage.
+DEMO_ARGS = --model deepseek-v3 --world-size 1024 --tp 2 --sp --pp 16 --ep 8 --etp 1 \
+	--pp-first-stage-layers 4 --pp-last-stage-layers 1 \
+	--micro-batch-size 1 --seq-length 4096 --num-microbatches 16 --schedule 1f1b \
+	--recompute none --attention flash --zero 1 --precision megatron --hbm 80GiB
+
 demo: $(STAMP)
-	$(BIN)/tracemem demo
+	$(BIN)/tracemem estimate $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
@@ -24,6 +31,8 @@ validate: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/tracer_overhead.py
 	$(BIN)/python benchmarks/tracer_vs_memtracker.py
+	$(BIN)/python benchmarks/layer_trace.py
+	$(BIN)/python benchmarks/estimate_demo.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

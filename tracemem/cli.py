@@ -11,7 +11,14 @@ from tabulate import tabulate
 
 from tracemem import __version__
 from tracemem.errors import TracememError
-from tracemem.report import UNITS, format_breakdown, format_comparisons, get_summary
+from tracemem.report import (
+    UNITS,
+    format_breakdown,
+    format_comparisons,
+    format_estimate,
+    format_estimate_json,
+    get_summary,
+)
 
 __all__ = ["build_parser", "main", "add_parallel_arguments", "parallel_config_from_args"]
 
@@ -36,7 +43,11 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (a function, so tests can call it)."""
+    from modeling.block import RECOMPUTE_MODES, RECOMPUTE_MODULES
+    from modeling.mla import ATTENTION_KERNELS
+    from modeling.moe import EXPERT_KERNELS
     from tracemem.examples import DTYPES, DemoConfig
+    from tracemem.schedules import SCHEDULES
     from tracemem.validation.cases import CASES
 
     parser = _Parser(
@@ -72,6 +83,48 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flag(params)
     params.add_argument("--json", action="store_true",
                         help="print JSON (element counts) instead of a table")
+
+    est = sub.add_parser(
+        "estimate", help="peak memory of every distinct rank of a training job: trace one rank "
+                         "per class on meta and replay it through the pipeline schedule")
+    _add_model_flag(est)
+    add_parallel_arguments(est)
+    step = est.add_argument_group("training step")
+    step.add_argument("--micro-batch-size", type=_positive_int, required=True,
+                      help="sequences per microbatch b")
+    step.add_argument("--seq-length", type=_positive_int, required=True,
+                      help="sequence length s in tokens")
+    step.add_argument("--num-microbatches", type=_positive_int, required=True,
+                      help="microbatches per step per pipeline (M)")
+    step.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
+                      help="pipeline schedule (default %(default)s)")
+    step.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
+                      help="activation recompute: full recomputes every decoder layer, "
+                           "selective the --recompute-modules (default %(default)s)")
+    step.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES,
+                      default=["core_attn"],
+                      help="modules recomputed under --recompute selective (default core_attn)")
+    step.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
+                      help="attention kernel: flash keeps output and logsumexp, eager the s x s "
+                           "scores (default %(default)s)")
+    step.add_argument("--experts", choices=("auto",) + EXPERT_KERNELS, default="auto",
+                      help="expert kernel: one grouped GEMM or one Linear per expert "
+                           "(default auto: grouped for bf16)")
+    step.add_argument("--routing", default="balanced",
+                      help="tokens per expert: balanced, zipf:ALPHA, hot:K:FRACTION or "
+                           "counts:FILE (default balanced)")
+    step.add_argument("--seed", type=int, default=0, help="seed of the routing model")
+    step.add_argument("--rounding", type=int, default=512,
+                      help="round each allocation up to this many bytes; 512 is the CUDA "
+                           "caching allocator's block, 0 exact bytes (default 512)")
+    step.add_argument("--no-deallocate-pipeline-outputs", dest="deallocate",
+                      action="store_false",
+                      help="keep each stage's sent output until its backward (Megatron frees "
+                           "it by default)")
+    step.add_argument("--hbm", default=None,
+                      help="device memory per GPU, e.g. 80GiB, to say whether each rank fits")
+    est.add_argument("--json", action="store_true", help="print JSON, every figure in bytes")
+    est.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
     static = sub.add_parser(
         "static", help="parameters, gradients and optimizer states of every pipeline stage "
@@ -203,6 +256,33 @@ def _run_params(args: argparse.Namespace) -> str:
                        colalign=("left", "right")))
 
 
+def _run_estimate(args: argparse.Namespace) -> str:
+    from tracemem.estimate import estimate, stderr_progress
+
+    if args.rounding < 0:
+        raise TracememError(f"--rounding {args.rounding} must be 0 (exact bytes) or positive")
+    layout = {"tp": args.tp, "sp": args.sp, "cp": args.cp, "ep": args.ep, "etp": args.etp,
+              "pp": args.pp, "vpp": args.vpp, "zero": args.zero, "precision": args.precision,
+              "plan": args.plan,
+              "pp_first_stage_layers": args.pp_first_stage_layers,
+              "pp_last_stage_layers": args.pp_last_stage_layers}
+    if args.pp_layout:
+        from tracemem.parallel import parse_layout
+        layout["pp_layout"] = parse_layout(args.pp_layout)
+    progress = stderr_progress(args.quiet)
+    result = estimate(
+        args.model, world_size=args.world_size, micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length, num_microbatches=args.num_microbatches,
+        schedule_name=args.schedule, recompute=args.recompute,
+        recompute_modules=tuple(args.recompute_modules), attention=args.attention,
+        experts=args.experts, routing=args.routing, seed=args.seed,
+        rounding=args.rounding or None, deallocate_pipeline_outputs=args.deallocate,
+        hbm=args.hbm, progress=progress, **layout)
+    if progress:
+        print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    return format_estimate_json(result) if args.json else format_estimate(result)
+
+
 def _run_static(args: argparse.Namespace) -> str:
     from modeling.config import load_config
     from modeling.parallel.build import build_rank
@@ -275,8 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        commands = {"demo": _run_demo, "params": _run_params, "static": _run_static,
-                    "validate": _run_validate}
+        commands = {"demo": _run_demo, "estimate": _run_estimate, "params": _run_params,
+                    "static": _run_static, "validate": _run_validate}
         out = commands[args.command](args)
     except TracememError as error:
         print(f"tracemem: error: {error}".splitlines()[0], file=sys.stderr)

@@ -45,7 +45,8 @@ from tracemem.schedules import Step, schedule
 from tracemem.static import StaticMemory, static_memory
 from tracemem.tracer import MemoryTracer
 
-__all__ = ["RankEstimate", "Estimate", "estimate", "parse_bytes"]
+__all__ = ["RankEstimate", "Estimate", "estimate", "parse_bytes", "Segments", "ReplayPeak",
+           "replay_schedule"]
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
@@ -100,6 +101,7 @@ class RankEstimate:
     zero3_gather_bytes: int
     static: StaticMemory = field(repr=False)
     by_module: dict[str, int] = field(default_factory=dict, repr=False)
+    largest: list[dict] = field(default_factory=list, repr=False)
 
     def dominant(self) -> tuple[str, int]:
         """The largest line item at the peak."""
@@ -127,16 +129,32 @@ class Estimate:
 
 
 @dataclass
-class _Segments:
-    """Traced event segments of one rank: (chunk, kind, microbatch 0 or 1) -> events."""
+class Segments:
+    """Traced event segments of one rank: ``(chunk, kind, microbatch)`` -> the
+    ``MemoryEvent`` list of that forward (``"F"``) or backward (``"B"``). Microbatch 0 is the
+    first; microbatch 1 stands for every later one (gradients then accumulate)."""
 
     events: dict[tuple[int, str, int], list] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReplayPeak:
+    """The peak of a replay: bytes, the index of the step running (None: before any step),
+    microbatch forwards held (forwards started minus backwards finished), and the bytes alive
+    by category and by module (replayed storages only)."""
+
+    peak_bytes: int
+    step_index: int | None
+    inflight: int
+    by_category: dict[str, int]
+    by_module: dict[str, int]
+    largest: list[dict] = field(default_factory=list)  # the 8 largest storages alive
 
 
 def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: int,
                 routing: RoutingModel, attention: str, experts: str, recompute: str,
                 recompute_modules: frozenset[str], deallocate: bool,
-                rounding: int | None) -> tuple[object, _Segments]:
+                rounding: int | None) -> tuple[object, Segments]:
     model = build_rank(cfg, par, rank, attention=attention, experts=experts,
                        dtype=torch.bfloat16)
     for module in model.modules():
@@ -146,7 +164,7 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
     local = seq // (par.tp if par.sp else 1)
     tracer = MemoryTracer(rounding=rounding, devices={"meta"})
     tracer.track_external(model)
-    segments = _Segments()
+    segments = Segments()
     last_chunk = len(model.chunks) - 1
     for chunk in range(len(model.chunks)):
         first = chunk == 0 and model.pre_process
@@ -171,34 +189,32 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
     return model, segments
 
 
-def _replay(steps: list[Step], pp: int, segments: _Segments, static: StaticMemory):
-    """Replay the rank's steps; returns (peak, step index or None, in-flight, live by
-    category, live by module) at the peak."""
-    current = static.total_bytes
-    peak, peak_at, peak_live = current, None, {}
+def replay_schedule(steps: list[Step], pp: int, segments: Segments,
+                    base_bytes: int) -> ReplayPeak:
+    """Replay a rank's schedule ``steps`` over its traced ``segments`` on top of
+    ``base_bytes`` (static memory). Each microbatch gets its own copy of every storage; a
+    storage of category ``gradient`` is a transient (it is added into a preallocated main-grad
+    buffer and freed). Virtual stage v is model chunk v // pp."""
+    current = base_bytes
+    peak, peak_at, peak_live, inflight_at_peak = current, None, {}, 0
     live: dict[tuple[int, int, int], tuple[int, object]] = {}
     started = finished = 0
-    inflight_at_peak = 0
     for index, step in enumerate(steps):
-        chunk = step.stage // pp
-        key = (chunk, step.kind, min(step.microbatch, 1))
         if step.kind == "F":
             started += 1
-        for event in segments.events[key]:
+        for event in segments.events[(step.stage // pp, step.kind, min(step.microbatch, 1))]:
             sid = (step.stage, step.microbatch, event.storage_id)
-            if event.action == "alloc":
-                transient = event.category is Category.GRADIENT  # into the main grad
-                if not transient:
-                    live[sid] = (event.nbytes, event)
-                current += event.nbytes
-                if current > peak:
-                    peak, peak_at, inflight_at_peak = current, index, started - finished
-                    peak_live = dict(live)
-                    if transient:
-                        peak_live[sid] = (event.nbytes, event)
-                if transient:
-                    current -= event.nbytes
-            elif sid in live:
+            if event.action == "free":
+                if sid in live:
+                    current -= live.pop(sid)[0]
+                continue
+            transient = event.category is Category.GRADIENT  # into the main grad
+            live[sid] = (event.nbytes, event)
+            current += event.nbytes
+            if current > peak:
+                peak, peak_at, inflight_at_peak = current, index, started - finished
+                peak_live = dict(live)
+            if transient:
                 current -= live.pop(sid)[0]
         if step.kind == "B":
             finished += 1
@@ -207,7 +223,12 @@ def _replay(steps: list[Step], pp: int, segments: _Segments, static: StaticMemor
     for nbytes, event in peak_live.values():
         by_category[event.category.value] = by_category.get(event.category.value, 0) + nbytes
         by_module[event.module] = by_module.get(event.module, 0) + nbytes
-    return peak, peak_at, inflight_at_peak, by_category, by_module
+    largest = [{"bytes": nbytes, "shape": list(event.shape),
+                "dtype": str(event.dtype).removeprefix("torch."),
+                "category": event.category.value, "module": event.module,
+                "microbatch": sid[1]}
+               for sid, (nbytes, event) in sorted(peak_live.items(), key=lambda kv: -kv[1][0])[:8]]
+    return ReplayPeak(peak, peak_at, inflight_at_peak, by_category, by_module, largest)
 
 
 def _worst_ep_rank(cfg: ModelConfig, par: ParallelConfig, stage: int, routing: RoutingModel,
@@ -291,7 +312,9 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
             cache[signature] = (static_memory(model_obj, par), segments)
         static, segments = cache[signature]
         steps = steps_by_rank[stage]
-        peak, at, inflight, live, modules = _replay(steps, par.pp, segments, static)
+        replayed = replay_schedule(steps, par.pp, segments, static.total_bytes)
+        peak, at, inflight = replayed.peak_bytes, replayed.step_index, replayed.inflight
+        live, modules = replayed.by_category, replayed.by_module
         results.append(RankEstimate(
             pp_stage=stage, ep_rank=ep_rank, rank=rank, layers=layers,
             inflight_microbatches=inflight, peak_step=None if at is None else str(steps[at]),
@@ -303,7 +326,8 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
             comm_buffer_bytes=live.get("comm_buffer", 0),
             temporary_bytes=live.get("temporary", 0), input_bytes=live.get("input", 0),
             zero3_gather_bytes=static.zero3_gather_bytes, static=static,
-            by_module=dict(sorted(modules.items(), key=lambda kv: -kv[1])[:10])))
+            by_module=dict(sorted(modules.items(), key=lambda kv: -kv[1])[:10]),
+            largest=replayed.largest))
     settings = {"micro_batch_size": micro_batch_size, "seq_length": seq_length,
                 "num_microbatches": num_microbatches, "schedule": schedule_name,
                 "recompute": recompute,

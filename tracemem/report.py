@@ -12,7 +12,8 @@ from tabulate import tabulate
 from tracemem.errors import TracememError
 from tracemem.tracer import MemoryTracer
 
-__all__ = ["UNITS", "to_units", "get_summary", "format_breakdown", "format_comparisons"]
+__all__ = ["UNITS", "to_units", "get_summary", "format_breakdown", "format_comparisons",
+           "get_estimate", "format_estimate", "format_estimate_json"]
 
 # Binary units only: the field's memory figures are GiB (2^30 B), and "GB" is ambiguous.
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
@@ -93,3 +94,78 @@ def format_comparisons(comparisons: Sequence[Any]) -> str:
              "yes" if c.gap_bytes == c.case.unseen_bytes else "NO"] for c in comparisons]
     return _table(rows, ["case", "real peak B", "traced peak B", "real - traced B",
                          "named unseen B", "explained"])
+
+
+_RANK_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "activation_bytes",
+                "comm_buffer_bytes", "temporary_bytes", "buffer_bytes", "input_bytes",
+                "zero3_gather_bytes")
+
+
+def get_estimate(result) -> dict[str, Any]:
+    """An ``Estimate`` as JSON-ready data, every figure in bytes (documented in
+    docs/estimate.md)."""
+    par = result.parallel
+    ranks = []
+    for r in result.ranks:
+        row = {"pp_stage": r.pp_stage, "ep_rank": r.ep_rank, "rank": r.rank,
+               "layers": r.layers, "inflight_microbatches": r.inflight_microbatches,
+               "peak_step": r.peak_step, "peak_bytes": r.peak_bytes}
+        row.update({name: getattr(r, name) for name in _RANK_FIELDS})
+        row["fits"] = None if result.hbm_bytes is None else r.peak_bytes <= result.hbm_bytes
+        row["by_module_bytes"] = r.by_module
+        row["largest_storages"] = r.largest
+        ranks.append(row)
+    worst = result.worst
+    return {
+        "model": result.model,
+        "parallel": {k: getattr(par, k) for k in ("world_size", "tp", "sp", "cp", "ep", "etp",
+                                                   "pp", "vpp", "dp", "edp", "zero",
+                                                   "precision", "plan")}
+        | {"pp_layout": list(par.pp_layout)},
+        "settings": result.settings,
+        "hbm_bytes": result.hbm_bytes,
+        "ranks": ranks,
+        "worst": {"pp_stage": worst.pp_stage, "ep_rank": worst.ep_rank,
+                  "peak_bytes": worst.peak_bytes, "dominant": worst.dominant()[0]},
+    }
+
+
+def format_estimate_json(result) -> str:
+    import json
+    return json.dumps(get_estimate(result), indent=2)
+
+
+def format_estimate(result) -> str:
+    """One row per rank class, in GiB, and a line naming the worst rank."""
+    gib = 2**30
+    rows = []
+    for r in result.ranks:
+        fits = "" if result.hbm_bytes is None else ("yes" if r.peak_bytes <= result.hbm_bytes
+                                                    else "NO")
+        rows.append([r.pp_stage, "-" if r.ep_rank is None else r.ep_rank,
+                     f"{r.parameter_bytes / gib:.2f}", f"{r.gradient_bytes / gib:.2f}",
+                     f"{r.optimizer_state_bytes / gib:.2f}", f"{r.activation_bytes / gib:.2f}",
+                     r.inflight_microbatches, f"{r.comm_buffer_bytes / gib:.2f}",
+                     f"{r.temporary_bytes / gib:.2f}", f"{r.peak_bytes / gib:.2f}",
+                     r.peak_step or "-"] + ([fits] if fits else []))
+    headers = ["stage", "EP rank", "params", "grads", "optimizer", "activations", "in-flight",
+               "comm", "temporaries", "peak", "at step"]
+    if result.hbm_bytes is not None:
+        headers.append(f"fits {result.hbm_bytes / gib:g} GiB")
+    par, st = result.parallel, result.settings
+    head = (f"{result.model}: world {par.world_size} (TP {par.tp}{' + SP' if par.sp else ''}, "
+            f"CP {par.cp}, PP {par.pp}, VPP {par.vpp}, DP {par.dp}; EP {par.ep}, ETP {par.etp}, "
+            f"EDP {par.edp}), ZeRO-{par.zero}, {par.precision}; b={st['micro_batch_size']}, "
+            f"s={st['seq_length']}, M={st['num_microbatches']}, {st['schedule']}, recompute "
+            f"{st['recompute']}, {st['attention']} attention, routing {st['routing']}")
+    table = tabulate(rows, headers=headers, disable_numparse=True,
+                     colalign=("right",) * len(headers))
+    worst = result.worst
+    item, size = worst.dominant()
+    where = f"stage {worst.pp_stage}" + ("" if worst.ep_rank is None else
+                                          f", EP rank {worst.ep_rank}")
+    tail = (f"Worst rank: {where}, peak {worst.peak_bytes / gib:.2f} GiB at step "
+            f"{worst.peak_step or '-'} with {worst.inflight_microbatches} microbatches in flight; "
+            f"largest item: {item} ({size / gib:.2f} GiB).")
+    return "\n".join([head, "", table, "", "(memory columns in GiB = 2^30 bytes, alive at each "
+                       "rank's peak; in-flight = microbatch forwards held)", tail])

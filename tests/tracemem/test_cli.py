@@ -50,7 +50,8 @@ def test_validate_json_matches_the_real_peak(capsys):
     (["demo", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["demo", "--units", "GB"], "argument --units: invalid choice: 'GB'"),
     (["validate", "--case", "nope"], "argument --case: invalid choice: 'nope'"),
-    (["estimate"], "argument COMMAND: invalid choice: 'estimate'"),
+    (["crosscheck"], "argument COMMAND: invalid choice: 'crosscheck'"),
+    (["estimate"], "the following arguments are required: --model, --world-size"),
     (["demo", "--tp", "2"], "unrecognized arguments: --tp 2"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):

@@ -1,0 +1,37 @@
+"""Wall time of the main job, `make demo`'s `tracemem estimate` on DeepSeek-V3, against the
+plain tracing work it is made of (one V3 stage's two microbatches), on this machine.
+
+    .venv/bin/python benchmarks/estimate_demo.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tracemem.estimate import estimate
+
+DEMO = dict(world_size=1024, tp=2, sp=True, pp=16, ep=8, etp=1, pp_first_stage_layers=4,
+            pp_last_stage_layers=1, micro_batch_size=1, seq_length=4096, num_microbatches=16,
+            schedule_name="1f1b", recompute="none", attention="flash", zero=1,
+            precision="megatron", hbm="80GiB")
+
+
+def main() -> None:
+    print(f"torch {torch.__version__}")
+    for label, extra in [("demo (flash, no recompute)", {}),
+                         ("full recompute", {"recompute": "full"}),
+                         ("eager attention", {"attention": "eager"}),
+                         ("zipf:1.0 routing (worst EP rank per stage)", {"routing": "zipf:1.0"})]:
+        start = time.perf_counter()
+        result = estimate("deepseek-v3", **(DEMO | extra))
+        seconds = time.perf_counter() - start
+        worst = result.worst
+        print(f"{label:45s} {seconds:6.1f} s   worst stage {worst.pp_stage} "
+              f"peak {worst.peak_bytes / 2**30:7.2f} GiB, stage 0 in flight "
+              f"{result.ranks[0].inflight_microbatches}")
+
+
+if __name__ == "__main__":
+    main()

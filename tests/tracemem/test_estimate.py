@@ -1,0 +1,115 @@
+"""tracemem estimate on the DeepSeek models.
+
+References: Megatron's 1F1B in-flight counts (stage p of PP holds min(PP - p, M) microbatches;
+tests/tracemem/schedules); shapes by hand (eager attention's (b, n_h / TP, s, s) scores);
+the closed-form static bytes of tests/tracemem/test_static.py.
+"""
+
+import json
+
+import pytest
+
+from tracemem.cli import main
+from tracemem.errors import TracememError
+from tracemem.estimate import estimate, parse_bytes
+
+V3_ARGS = ["--model", "deepseek-v3", "--world-size", "1024", "--tp", "2", "--sp", "--pp", "16",
+           "--ep", "8", "--etp", "1", "--micro-batch-size", "1", "--seq-length", "4096",
+           "--num-microbatches", "16", "--schedule", "1f1b", "--recompute", "none",
+           "--attention", "flash", "--zero", "1", "--precision", "megatron", "--hbm", "80GiB",
+           "--pp-first-stage-layers", "4", "--pp-last-stage-layers", "1"]
+
+TINY = dict(world_size=4, tp=2, sp=True, pp=2, micro_batch_size=2, seq_length=64,
+            num_microbatches=4, experts="sequential")
+
+
+def test_v3_json_has_every_stage_and_stage_0_holds_16_microbatches(capsys):
+    assert main(["estimate", *V3_ARGS, "--json", "--quiet"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    ranks = result["ranks"]
+    assert [r["pp_stage"] for r in ranks] == list(range(16))
+    assert [r["inflight_microbatches"] for r in ranks] == [16 - p for p in range(16)]
+    for r in ranks:
+        assert r["ep_rank"] is None  # balanced routing: every EP rank alike
+        assert r["peak_bytes"] >= sum(r[k] for k in (
+            "parameter_bytes", "optimizer_state_bytes", "activation_bytes"))
+        assert r["fits"] == (r["peak_bytes"] <= 80 * 2**30)
+    # stage 1 static memory: the closed forms of the megatron recipe under ZeRO-1
+    dense, expert = 499_974_144, 4 * 32 * 3 * 7168 * 2048
+    assert ranks[1]["parameter_bytes"] == 2 * (dense + expert)
+    assert ranks[1]["optimizer_state_bytes"] == 12 * (dense // 32 + expert // 8)
+
+
+def test_v3_table_names_the_worst_rank(capsys):
+    assert main(["estimate", *V3_ARGS, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "fits 80 GiB" in out and "Worst rank: stage 1" in out
+
+
+def test_full_recompute_drops_activations():
+    none = estimate("deepseek-tiny", **TINY)
+    full = estimate("deepseek-tiny", recompute="full", **TINY)
+    for a, b in zip(none.ranks, full.ranks):
+        assert b.activation_bytes < a.activation_bytes / 2
+
+
+def test_eager_attention_holds_the_s_by_s_scores():
+    eager = estimate("deepseek-tiny", attention="eager", rounding=None, **TINY)
+    flash = estimate("deepseek-tiny", attention="flash", rounding=None, **TINY)
+    scores = [2, 4 // 2, 64, 64]  # (b, n_h / TP, s, s)
+    assert any(s["shape"] == scores for s in eager.ranks[0].largest)
+    assert not any(s["shape"] == scores for s in flash.ranks[0].largest)
+    assert eager.ranks[0].activation_bytes > flash.ranks[0].activation_bytes
+
+
+def test_skewed_routing_reports_the_most_loaded_ep_rank():
+    result = estimate("deepseek-tiny", world_size=4, ep=4, pp=1, micro_batch_size=2,
+                      seq_length=32, num_microbatches=2, routing="hot:1:0.5",
+                      experts="sequential")
+    (rank,) = result.ranks
+    assert rank.ep_rank is not None and rank.rank == rank.ep_rank
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("512MiB") == 2**29
+    with pytest.raises(TracememError, match="--hbm '80GB' is invalid"):
+        parse_bytes("80GB")
+
+
+def _v3_argv(**overrides):
+    """V3_ARGS with flags replaced (value None: a switch added; value False: removed)."""
+    flags, i = {}, 0
+    while i < len(V3_ARGS):
+        if i + 1 < len(V3_ARGS) and not V3_ARGS[i + 1].startswith("--"):
+            flags[V3_ARGS[i]] = V3_ARGS[i + 1]
+            i += 2
+        else:
+            flags[V3_ARGS[i]] = None
+            i += 1
+    for name, value in overrides.items():
+        flag = "--" + name.replace("_", "-")
+        if value is False:
+            flags.pop(flag, None)
+        else:
+            flags[flag] = value
+    return [part for flag, value in flags.items() for part in (flag, value) if part is not None]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(model="deepseek-v4"), "--model 'deepseek-v4' is neither a preset"),
+    (dict(tp="3"), "is not a multiple of tp(3)"),
+    (dict(tp="1"), "--sp needs --tp > 1"),
+    (dict(micro_batch_size="-1"), "argument --micro-batch-size: -1 must be a positive integer"),
+    (dict(schedule="interleaved-1f1b", vpp="2", num_microbatches="6", pp_first_stage_layers=False,
+          pp_last_stage_layers=False, pp_layout="2*29,1,1,1"),
+     "--num-microbatches 6 must be a multiple of --pp 16"),
+    (dict(schedule="zb"), "argument --schedule: invalid choice: 'zb'"),
+    (dict(hbm="lots"), "--hbm 'lots' is invalid"),
+    (dict(seq_length="4095"), "--seq-length 4095 must be a multiple of cp * sp = 2"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, overrides, message):
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(["estimate", *_v3_argv(**overrides), "--quiet"]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
