@@ -257,7 +257,7 @@ def _run_params(args: argparse.Namespace) -> str:
 
 
 def _run_estimate(args: argparse.Namespace) -> str:
-    from tracemem.estimate import estimate, stderr_progress
+    from tracemem.estimator import estimate, stderr_progress
 
     if args.rounding < 0:
         raise TracememError(f"--rounding {args.rounding} must be 0 (exact bytes) or positive")

@@ -11,7 +11,7 @@ import pytest
 
 from tracemem.cli import main
 from tracemem.errors import TracememError
-from tracemem.estimate import estimate, parse_bytes
+from tracemem.estimator import estimate, parse_bytes
 
 V3_ARGS = ["--model", "deepseek-v3", "--world-size", "1024", "--tp", "2", "--sp", "--pp", "16",
            "--ep", "8", "--etp", "1", "--micro-batch-size", "1", "--seq-length", "4096",
@@ -60,6 +60,29 @@ def test_eager_attention_holds_the_s_by_s_scores():
     assert any(s["shape"] == scores for s in eager.ranks[0].largest)
     assert not any(s["shape"] == scores for s in flash.ranks[0].largest)
     assert eager.ranks[0].activation_bytes > flash.ranks[0].activation_bytes
+
+
+def test_selective_recompute_of_core_attention_drops_the_scores():
+    none = estimate("deepseek-tiny", attention="eager", rounding=None, **TINY)
+    selective = estimate("deepseek-tiny", attention="eager", rounding=None,
+                         recompute="selective", recompute_modules=("core_attn",), **TINY)
+    scores = [2, 2, 64, 64]
+    assert not any(s["shape"] == scores and s["category"] == "activation"
+                   for s in selective.ranks[0].largest)
+    assert selective.ranks[0].activation_bytes < none.ranks[0].activation_bytes
+    # DeepSeek-V3's own choice (report section 3.2.3): RMSNorm and the MLA up projections
+    v3_style = estimate("deepseek-tiny", recompute="selective",
+                        recompute_modules=("layernorm", "mla_up_proj"), **TINY)
+    assert v3_style.ranks[0].activation_bytes < estimate("deepseek-tiny", **TINY).ranks[0] \
+        .activation_bytes
+
+
+def test_tracemem_estimate_is_the_python_api():
+    import tracemem
+
+    result = tracemem.estimate("deepseek-tiny", **TINY)
+    assert [r.pp_stage for r in result.ranks] == [0, 1]
+    assert result.worst.peak_bytes == max(r.peak_bytes for r in result.ranks)
 
 
 def test_skewed_routing_reports_the_most_loaded_ep_rank():

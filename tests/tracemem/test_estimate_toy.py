@@ -23,7 +23,7 @@ from modeling.parallel.pp import (
     send_forward,
 )
 from tracemem import MemoryTracer
-from tracemem.estimate import Segments, replay_schedule
+from tracemem.estimator import Segments, replay_schedule
 from tracemem.schedules import schedule
 
 
