@@ -200,7 +200,7 @@ def parallel_config_from_args(args: argparse.Namespace, model_cfg):
         model_cfg, world_size=args.world_size, tp=args.tp, sp=args.sp, cp=args.cp, ep=args.ep,
         etp=args.etp, pp=args.pp, vpp=args.vpp, zero=args.zero, precision=args.precision,
         plan=args.plan,
-        pp_layout=parse_layout(args.pp_layout) if args.pp_layout else None,
+        pp_layout=parse_layout(args.pp_layout) if args.pp_layout is not None else None,
         pp_first_stage_layers=args.pp_first_stage_layers,
         pp_last_stage_layers=args.pp_last_stage_layers)
 
@@ -266,7 +266,7 @@ def _run_estimate(args: argparse.Namespace) -> str:
               "plan": args.plan,
               "pp_first_stage_layers": args.pp_first_stage_layers,
               "pp_last_stage_layers": args.pp_last_stage_layers}
-    if args.pp_layout:
+    if args.pp_layout is not None:
         from tracemem.parallel import parse_layout
         layout["pp_layout"] = parse_layout(args.pp_layout)
     progress = stderr_progress(args.quiet)

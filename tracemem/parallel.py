@@ -10,6 +10,7 @@ Ranks are ordered TP fastest, then CP, DP, PP (Megatron's default order "tp-cp-e
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from tracemem.errors import TracememError
@@ -17,7 +18,13 @@ from tracemem.errors import TracememError
 __all__ = ["ParallelConfig", "PRECISIONS", "PLANS", "parse_layout"]
 
 PRECISIONS = ("megatron", "paper-2502.07846", "deepseek-v3")
+MAX_STAGES = 4096  # more virtual pipeline stages than any real job; bounds --pp-layout
+_LAYOUT_PART = re.compile(r"^([0-9]+)(?:\*([0-9]+))?$", re.ASCII)
 PLANS = ("megatron", "paper-2502.07846")
+
+
+def _count(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
 def _divisors(n: int, limit: int = 8) -> str:
@@ -32,15 +39,15 @@ def parse_layout(text: str) -> tuple[int, ...]:
         TracememError: not a comma-separated list of positive integers (``N*K`` repeats N).
     """
     out: list[int] = []
-    try:
-        for part in text.split(","):
-            count, _, repeat = part.strip().partition("*")
-            out += [int(count)] * (int(repeat) if repeat else 1)
-    except ValueError:
-        out = []
-    if not out or any(n < 0 for n in out):
-        raise TracememError(f"--pp-layout {text!r} is invalid; give layers per stage as "
-                            f"comma-separated integers, N*K repeating N K times (e.g. 4*15,1)")
+    for part in text.split(","):
+        match = _LAYOUT_PART.match(part.strip())
+        repeat = int(match[2] or 1) if match else 0
+        if not match or repeat == 0 or len(out) + repeat > MAX_STAGES:
+            raise TracememError(
+                f"--pp-layout {text!r} is invalid; give layers per stage as comma-separated "
+                f"non-negative integers, N*K repeating N K times (e.g. 4*15,1), at most "
+                f"{MAX_STAGES} stages")
+        out += [int(match[1])] * repeat
     return tuple(out)
 
 
@@ -84,12 +91,14 @@ class ParallelConfig:
                             ("--pp", self.pp), ("--vpp", self.vpp)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise TracememError(f"{flag} {value!r} must be a positive integer")
+        if not isinstance(self.sp, bool):
+            raise TracememError(f"sp={self.sp!r} must be True or False")
         if self.sp and self.tp == 1:
             raise TracememError("--sp needs --tp > 1 (sequence parallelism shards activations "
                                 "across the tensor-parallel group); drop --sp or raise --tp")
         if self.etp > 1 and self.ep == 1:
             raise TracememError(f"--etp {self.etp} needs --ep > 1; set --ep or use --etp 1")
-        if self.zero not in (0, 1, 2, 3):
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise TracememError(f"--zero {self.zero!r} is invalid; choose 0, 1, 2 or 3")
         if self.precision not in PRECISIONS:
             raise TracememError(f"--precision {self.precision!r} is invalid; choose one of "
@@ -132,7 +141,7 @@ class ParallelConfig:
         """
         probe = cls(world_size=world_size, **degrees)  # degree checks first
         layout = _layout(model_cfg.num_layers, probe.num_virtual_stages, pp_layout,
-                         pp_first_stage_layers, pp_last_stage_layers)
+                         pp_first_stage_layers, pp_last_stage_layers, probe.vpp)
         config = cls(world_size=world_size, pp_layout=layout, **degrees)
         config.check_model(model_cfg)
         return config
@@ -155,7 +164,10 @@ class ParallelConfig:
         if inter % self.etp:
             raise TracememError(f"--etp {self.etp} must divide moe_intermediate_size ({inter}); "
                                 f"try {_divisors(inter)}")
-        for name in ("intermediate_size", "moe_intermediate_size"):
+        sizes = ["intermediate_size", "moe_intermediate_size", "hidden_size"]
+        if self.plan == "paper-2502.07846":  # no vocabulary padding under the paper's plan
+            sizes.append("vocab_size")
+        for name in sizes:
             size = getattr(model_cfg, name)
             if size % self.tp:
                 raise TracememError(f"--tp {self.tp} must divide {name} ({size}); "
@@ -171,8 +183,9 @@ class ParallelConfig:
         Raises:
             TracememError: ``rank`` outside [0, world_size).
         """
-        if not 0 <= rank < self.world_size:
-            raise TracememError(f"rank {rank} is outside [0, {self.world_size})")
+        if isinstance(rank, bool) or not isinstance(rank, int) \
+                or not 0 <= rank < self.world_size:
+            raise TracememError(f"rank {rank!r} is outside [0, {self.world_size})")
         return rank // (self.world_size // self.pp)
 
     def layers_of_stage(self, stage: int) -> list[list[int]]:
@@ -183,38 +196,64 @@ class ParallelConfig:
                 for v in range(stage, self.num_virtual_stages, self.pp)]
 
 
-def _layout(num_layers: int, stages: int, layout, first, last) -> tuple[int, ...]:
-    if layout:
+def _layout(num_layers: int, stages: int, layout, first, last, vpp: int = 1
+            ) -> tuple[int, ...]:
+    if layout is not None:
         layout = tuple(layout)
+        if first is not None or last is not None:
+            raise TracememError("give either --pp-layout or --pp-first-stage-layers / "
+                                "--pp-last-stage-layers, not both")
+        if not layout or any(isinstance(n, bool) or not isinstance(n, int) or n < 0
+                             for n in layout):
+            raise TracememError(f"--pp-layout {layout!r} is invalid; it needs one non-negative "
+                                f"integer per virtual pipeline stage")
         if len(layout) != stages:
-            raise TracememError(f"--pp-layout has {len(layout)} entries; it needs one per "
+            raise TracememError(f"--pp-layout has {_count(len(layout), 'entry', 'entries')}; it "
+                                f"needs one per "
                                 f"virtual pipeline stage, pp * vpp = {stages}")
         if sum(layout) != num_layers:
-            raise TracememError(f"--pp-layout sums to {sum(layout)} layers; the model has "
-                                f"{num_layers}")
+            raise TracememError(f"--pp-layout sums to {_count(sum(layout), 'layer')}; the "
+                                f"model has {num_layers}")
         return layout
     if stages > num_layers:
         raise TracememError(f"pp * vpp = {stages} stages is more than the model's {num_layers} "
                             f"layers; lower --pp or --vpp")
     if first is not None or last is not None:
-        first = num_layers // stages if first is None else first
-        last = num_layers // stages if last is None else last
-        middle_stages, middle_layers = stages - 2, num_layers - first - last
-        if stages < 2 or first < 0 or last < 0 or middle_layers < 0 or (
-                middle_stages and middle_layers % middle_stages) or (
-                not middle_stages and middle_layers):
-            raise TracememError(
-                f"--pp-first-stage-layers {first} and --pp-last-stage-layers {last} leave "
-                f"{middle_layers} layers for {max(middle_stages, 0)} middle stages, which do "
-                f"not divide evenly; adjust them or give --pp-layout")
-        middle = [middle_layers // middle_stages] * middle_stages if middle_stages else []
-        return (first, *middle, last)
+        return _ends_layout(num_layers, stages, first, last, vpp)
     if num_layers % stages:
         raise TracememError(
             f"{num_layers} layers do not divide into pp * vpp = {stages} stages; give "
             f"--pp-layout (e.g. {_suggest(num_layers, stages)}) or --pp-first-stage-layers / "
             f"--pp-last-stage-layers")
     return (num_layers // stages,) * stages
+
+
+def _ends_layout(num_layers: int, stages: int, first, last, vpp: int) -> tuple[int, ...]:
+    """Megatron's uneven split (``get_num_layers_to_build``): the given ends, and the other
+    stages share the remaining layers evenly."""
+    if vpp > 1:
+        raise TracememError("--pp-first-stage-layers / --pp-last-stage-layers with --vpp > 1 "
+                            "are not supported; give --pp-layout with one entry per virtual "
+                            "stage")
+    if stages < 2:
+        raise TracememError("--pp-first-stage-layers / --pp-last-stage-layers need --pp 2 or "
+                            "more")
+    for flag, value in (("--pp-first-stage-layers", first), ("--pp-last-stage-layers", last)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value <= num_layers):
+            raise TracememError(f"{flag} {value!r} must be between 0 and the model's "
+                                f"{num_layers} layers")
+    fixed = (first or 0) + (last or 0)
+    others = stages - (first is not None) - (last is not None)
+    rest = num_layers - fixed
+    if rest < 0 or (others and rest % others) or (not others and rest):
+        raise TracememError(
+            f"--pp-first-stage-layers {first} and --pp-last-stage-layers {last} leave "
+            f"{_count(rest, 'layer')} for {_count(others, 'other stage')}, which do not divide "
+            f"evenly; adjust them or give --pp-layout")
+    per = rest // others if others else 0
+    return ((per if first is None else first), *[per] * (stages - 2),
+            (per if last is None else last))
 
 
 def _suggest(num_layers: int, stages: int) -> str:

@@ -13,6 +13,7 @@ from tracemem.errors import TracememError
 from tracemem.parallel import ParallelConfig, parse_layout
 
 V3 = load_config("deepseek-v3")
+LAYOUT = (4,) * 15 + (1,)
 TINY = load_config("deepseek-tiny")  # 4 heads, 8 experts, 4 layers, intermediate 128 / 32
 
 
@@ -23,10 +24,17 @@ def test_paper_layout_derives_dp_and_edp():
     assert par.stage_of(0) == 0 and par.stage_of(63) == 0 and par.stage_of(64) == 1
 
 
-def test_first_and_last_stage_layers_split_the_middle_evenly():
+def test_first_and_last_stage_layers_split_the_rest_evenly():
     par = ParallelConfig.create(V3, world_size=1024, tp=2, pp=16, ep=8,
                                 pp_first_stage_layers=4, pp_last_stage_layers=1)
     assert par.pp_layout == (4,) * 15 + (1,)
+    # one end given: the other 15 stages share the remaining 60 layers (Megatron-Core's
+    # get_num_layers_to_build)
+    par = ParallelConfig.create(V3, world_size=1024, tp=2, pp=16, pp_first_stage_layers=1)
+    assert par.pp_layout == (1,) + (4,) * 15
+    lite = load_config("deepseek-v2-lite")  # 27 layers
+    par = ParallelConfig.create(lite, world_size=8, pp=2, pp_first_stage_layers=13)
+    assert par.pp_layout == (13, 14)
 
 
 def test_virtual_stages_interleave_chunks():
@@ -38,8 +46,19 @@ def test_virtual_stages_interleave_chunks():
 def test_parse_layout():
     assert parse_layout("4*15,1") == (4,) * 15 + (1,)
     assert parse_layout("3, 2,2") == (3, 2, 2)
-    with pytest.raises(TracememError, match="--pp-layout 'four' is invalid"):
-        parse_layout("four")
+    for bad in ["four", "", "4*999999999999,1", "4*1_5,1", "\u0663,1", "4*-1,61", "4*0"]:
+        with pytest.raises(TracememError, match="--pp-layout .* is invalid"):
+            parse_layout(bad)
+
+
+def test_tp_must_divide_the_vocabulary_under_the_paper_plan_and_the_hidden_size():
+    import dataclasses
+    odd = dataclasses.replace(TINY, vocab_size=257)
+    with pytest.raises(TracememError, match=r"--tp 2 must divide vocab_size \(257\)"):
+        ParallelConfig.create(odd, world_size=2, tp=2, plan="paper-2502.07846")
+    assert ParallelConfig.create(odd, world_size=2, tp=2).tp == 2  # megatron pads it
+    with pytest.raises(TracememError, match=r"--tp 4 must divide hidden_size \(66\)"):
+        ParallelConfig.create(dataclasses.replace(TINY, hidden_size=66), world_size=4, tp=4)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -63,7 +82,17 @@ def test_parse_layout():
      r"--pp-layout has 15 entries; it needs one per virtual pipeline stage, pp \* vpp = 16"),
     (dict(world_size=128, pp=64, ep=1), r"pp \* vpp = 64 stages is more than the model's 61"),
     (dict(world_size=1024, tp=2, pp=16, pp_first_stage_layers=5, pp_last_stage_layers=1),
-     "leave 55 layers for 14 middle stages, which do not divide evenly"),
+     "leave 55 layers for 14 other stages, which do not divide evenly"),
+    (dict(world_size=1024, tp=2, pp=16, pp_first_stage_layers=100),
+     "--pp-first-stage-layers 100 must be between 0 and the model's 61 layers"),
+    (dict(world_size=1024, tp=2, pp=1, pp_first_stage_layers=61),
+     "--pp-first-stage-layers / --pp-last-stage-layers need --pp 2 or more"),
+    (dict(world_size=1024, tp=2, pp=16, vpp=2, pp_first_stage_layers=1, pp_last_stage_layers=0),
+     "with --vpp > 1 are not supported"),
+    (dict(world_size=1024, tp=2, pp=16, pp_layout=LAYOUT, pp_first_stage_layers=4),
+     "give either --pp-layout or --pp-first-stage-layers"),
+    (dict(world_size=1024, tp=2, pp=16, pp_layout=(5,) * 15 + (-14,)),
+     "--pp-layout .* is invalid; it needs one non-negative integer per virtual pipeline stage"),
     (dict(world_size=1024, tp=2, pp=16, zero=4, pp_layout=(4,) * 15 + (1,)),
      "--zero 4 is invalid; choose 0, 1, 2 or 3"),
     (dict(world_size=1024, tp=2, pp=16, precision="fp8", pp_layout=(4,) * 15 + (1,)),
