@@ -126,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--json", action="store_true", help="print JSON, every figure in bytes")
     est.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
+    cross = sub.add_parser(
+        "crosscheck", help="closed-form formulas beside the traced figures, term by term")
+    cross.add_argument("--paper", choices=["2502.07846"], required=True,
+                       help="the formulas to check: arXiv 2502.07846 (DeepSeek-V3, PP16, TP2 + "
+                            "SP, EP8, eager attention, a middle stage)")
+    cross.add_argument("--b", type=_positive_int, default=1, help="micro-batch size (default 1)")
+    cross.add_argument("--s", type=_positive_int, default=4096,
+                       help="sequence length in tokens, a multiple of 2 (default 4096)")
+    cross.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
+
     static = sub.add_parser(
         "static", help="parameters, gradients and optimizer states of every pipeline stage "
                        "under a parallel layout, ZeRO stage and precision recipe")
@@ -283,6 +293,31 @@ def _run_estimate(args: argparse.Namespace) -> str:
     return format_estimate_json(result) if args.json else format_estimate(result)
 
 
+def _run_crosscheck(args: argparse.Namespace) -> str:
+    from tracemem.crosscheck import paper_rows
+
+    if args.s % 2:
+        raise TracememError(f"--s {args.s} must be a multiple of 2 (TP 2 with SP splits it)")
+    rows = paper_rows(b=args.b, s=args.s)
+    if args.json:
+        return json.dumps([{"quantity": r.quantity, "formula": r.formula, "traced": r.traced,
+                            "difference": r.difference, "unit": r.unit or "elements",
+                            "reason": r.reason} for r in rows], indent=2)
+    table = []
+    for r in rows:
+        diff = r.difference
+        pct = "" if diff is None or not r.formula else f"{100 * diff / r.formula:+.1f}"
+        table.append([r.quantity, "-" if r.formula is None else f"{r.formula:,}",
+                      f"{r.traced:,}", "" if diff is None else f"{diff:,}", pct, r.reason])
+    head = (f"arXiv 2502.07846 against the trace: DeepSeek-V3, PP16 (4 layers per middle stage), "
+            f"TP2 + SP, EP8, ETP1, ZeRO-3, the paper's plan and precision, eager attention, "
+            f"b={args.b}, s={args.s}; bytes unless marked, exact (no allocator rounding)")
+    return head + "\n\n" + tabulate(
+        table, headers=["quantity", "formula", "traced", "traced - formula", "%", "reason"],
+        disable_numparse=True, colalign=("left", "right", "right", "right", "right", "left"),
+        maxcolwidths=[40, None, None, None, None, 70])
+
+
 def _run_static(args: argparse.Namespace) -> str:
     from modeling.config import load_config
     from modeling.parallel.build import build_rank
@@ -355,8 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        commands = {"demo": _run_demo, "estimate": _run_estimate, "params": _run_params,
-                    "static": _run_static, "validate": _run_validate}
+        commands = {"crosscheck": _run_crosscheck, "demo": _run_demo,
+                    "estimate": _run_estimate, "params": _run_params, "static": _run_static,
+                    "validate": _run_validate}
         out = commands[args.command](args)
     except TracememError as error:
         print(f"tracemem: error: {error}".splitlines()[0], file=sys.stderr)

@@ -50,7 +50,7 @@ def test_validate_json_matches_the_real_peak(capsys):
     (["demo", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["demo", "--units", "GB"], "argument --units: invalid choice: 'GB'"),
     (["validate", "--case", "nope"], "argument --case: invalid choice: 'nope'"),
-    (["crosscheck"], "argument COMMAND: invalid choice: 'crosscheck'"),
+    (["trace"], "argument COMMAND: invalid choice: 'trace'"),
     (["estimate"], "the following arguments are required: --model, --world-size"),
     (["demo", "--tp", "2"], "unrecognized arguments: --tp 2"),
 ])

@@ -1,0 +1,168 @@
+"""``tracemem crosscheck``: published closed forms beside the traced figures for the same
+configuration, term by term, with the tensors behind every difference taken from the trace.
+
+``paper_rows`` follows arXiv 2502.07846: DeepSeek-V3, PP16 (4 layers per middle stage), TP2 with
+SP, EP8, ETP1, the paper's sharding plan and precision, eager attention (as the paper counts
+the s x s scores), a middle stage (layers 4-7), exact bytes (no allocator rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from modeling.block import Block
+from modeling.config import load_config
+from modeling.parallel.build import build_rank
+from modeling.parallel.pp import recv_forward
+from modeling.routing import Balanced
+from tracemem.estimator import estimate
+from tracemem.formulas import paper_2502_07846 as paper
+from tracemem.parallel import ParallelConfig
+from tracemem.static import static_memory
+from tracemem.tracer import MemoryTracer
+
+__all__ = ["Row", "paper_rows"]
+
+PAPER_LAYOUT = dict(world_size=1024, tp=2, sp=True, pp=16, ep=8, etp=1,
+                    pp_layout=(4,) * 15 + (1,), plan="paper-2502.07846",
+                    precision="paper-2502.07846")
+STAGE, FIRST_LAYER = 1, 4  # the paper's middle stage: layers 4-7
+
+
+@dataclass(frozen=True)
+class Row:
+    """One quantity: the formula's bytes (or elements), the traced ones, and why they differ.
+    ``formula`` is None for what the formulas leave out."""
+
+    quantity: str
+    formula: int | None
+    traced: int
+    reason: str
+    unit: str = "B"
+
+    @property
+    def difference(self) -> int | None:
+        return None if self.formula is None else self.traced - self.formula
+
+
+def _describe(infos: list, limit: int = 3) -> str:
+    """The largest traced storages, grouped by module, shape and dtype."""
+    groups: dict[tuple, list[int]] = {}
+    for info in infos:
+        key = (info.module, tuple(info.shape), str(info.dtype).removeprefix("torch."))
+        groups.setdefault(key, []).append(info.nbytes)
+    top = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:limit]
+    return "; ".join(f"{len(sizes)} x {module or '(root)'} {list(shape)} {dtype} "
+                     f"({sum(sizes) / 2**20:,.1f} MiB)" for (module, shape, dtype), sizes in top)
+
+
+def _trace_stage_forward(cfg, par, b: int, s: int, recompute: str) -> list:
+    """Activations alive after one microbatch's forward on the paper's middle stage."""
+    model = build_rank(cfg, par, STAGE * (par.world_size // par.pp), attention="eager",
+                       dtype=torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.set_recompute(recompute)
+    tracer = MemoryTracer(devices={"meta"})
+    tracer.track_external(model)
+    labels = torch.zeros(b, s, dtype=torch.long, device="meta")
+    with tracer:
+        x = recv_forward((b, s // par.tp, cfg.hidden_size), torch.bfloat16)
+        out = model(x, labels, Balanced())
+    infos = [i for i in tracer.live_at("now") if i.category.value == "activation"]
+    del x, out
+    return infos
+
+
+def _layer_part(infos: list, layer: int, part: str) -> list:
+    prefixes = ((f"layers.{layer}.attn",) if part == "mla" else
+                (f"layers.{layer}.ffn",))  # attn / attn_norm, ffn / ffn_norm
+    return [i for i in infos if i.module.startswith(prefixes)]
+
+
+def paper_rows(b: int = 1, s: int = 4096, num_microbatches: int = 16) -> list[Row]:
+    """The cross-check table for arXiv 2502.07846 at micro-batch size ``b`` and sequence
+    length ``s`` (see the module docstring)."""
+    cfg = load_config("deepseek-v3")
+    p = paper.PAPER_V3
+    par = ParallelConfig.create(cfg, zero=3, **PAPER_LAYOUT)
+    model = build_rank(cfg, par, STAGE * (par.world_size // par.pp), dtype=torch.bfloat16)
+    static = static_memory(model, par)
+    c = static.by_component
+    split, replicated = paper.mla_params(p, 4, par.tp)
+    router, experts = paper.moe_params(p, 4, par.ep)
+    zero = paper.zero_static_bytes(paper.rmsnorm_params(p, 4) + split + replicated + router,
+                                   experts, par.dp, par.edp)
+    same = "same accounting"
+    rows = [
+        Row("RMSNorm parameters, 4 layers", paper.rmsnorm_params(p, 4), c["norms"], same, ""),
+        Row("MLA parameters, 4 layers", split + replicated, c["attention"], same, ""),
+        Row("MoE parameters (router + 132 experts), 4 layers", router + experts,
+            c["router"] + c["routed_experts"] + c["shared_experts"],
+            same + "; V3's router correction bias (4 x 256) is a buffer, not a parameter", ""),
+        Row("ZeRO-3 parameter bytes (DP 32, EDP 8)", zero[0], static.param_bytes, same),
+        Row("ZeRO-3 gradient bytes", zero[1], static.grad_bytes, same),
+        Row("ZeRO-3 optimizer-state bytes", zero[2], static.optimizer_bytes, same),
+    ]
+
+    none = _trace_stage_forward(cfg, par, b, s, "none")
+    full = _trace_stage_forward(cfg, par, b, s, "full")
+    m_a1, m_e1 = paper.mla_activation(p, b, s, par.tp), paper.moe_activation(p, b, s, par.tp,
+                                                                             par.ep)
+    mla, moe = _layer_part(none, FIRST_LAYER, "mla"), _layer_part(none, FIRST_LAYER, "moe")
+    stage_none = sum(i.nbytes for i in none)
+    stage_full = sum(i.nbytes for i in full)
+    layer_input = b * s // par.tp * cfg.hidden_size * 2  # bf16 (b, s / t, h)
+    checkpointed = [i for i in full if i.nbytes == layer_input]
+    rows += [
+        Row("MLA activations per layer, no recompute (M^A_1)", m_a1,
+            sum(i.nbytes for i in mla), "traced: " + _describe(mla)),
+        Row("MoE activations per layer, no recompute (M^E_1)", m_e1,
+            sum(i.nbytes for i in moe), "traced: " + _describe(moe)),
+        Row("stage activations per microbatch, no recompute (4 M^A_1 + 4 M^E_1)",
+            4 * (m_a1 + m_e1), stage_none, "traced: " + _describe(none)),
+        Row("stage activations per microbatch, full recompute (4 M^A_2 + 4 M^E_2)",
+            4 * (paper.mla_activation_full(p, b, s, par.tp)
+                 + paper.moe_activation_full(p, b, s, par.tp)),
+            stage_full, "traced: " + _describe(full)),
+        Row("MLA per layer, full recompute (M^A_2 = 2bsh / t: the layer input)",
+            paper.mla_activation_full(p, b, s, par.tp), stage_full // 4,
+            "same accounting: each layer keeps its checkpointed input, traced: "
+            + _describe(checkpointed, 1)),
+        Row("MoE per layer, full recompute (M^E_2 = bsh + 2bsN_r)",
+            paper.moe_activation_full(p, b, s, par.tp), 0,
+            "Megatron's full recompute checkpoints the whole layer (attention and MoE) from the "
+            "layer input, so the MoE input and router outputs are not kept; traced: nothing "
+            "else alive after the forward"),
+    ]
+
+    settings = dict(micro_batch_size=b, seq_length=s, num_microbatches=num_microbatches,
+                    rounding=None, zero=3, **PAPER_LAYOUT)
+    eager = estimate("deepseek-v3", attention="eager", **settings)
+    flash = estimate("deepseek-v3", attention="flash", **settings)
+    mid, first, last = eager.ranks[STAGE], eager.ranks[0], eager.ranks[-1]
+    rows += [
+        Row(f"stage-1 activations at its peak, 1F1B, M = {num_microbatches}",
+            4 * (m_a1 + m_e1), mid.activation_bytes,
+            f"the formula counts one microbatch; 1F1B keeps {mid.inflight_microbatches} in "
+            f"flight on stage 1 (stage 0: {first.inflight_microbatches}), ratio "
+            f"{mid.activation_bytes / (4 * (m_a1 + m_e1)):.1f}"),
+        Row("stage 0 peak (embedding, 3 dense layers + 1 MoE layer)", None, first.peak_bytes,
+            f"not analysed by the paper; {first.inflight_microbatches} microbatches in flight; "
+            f"largest item {first.dominant()[0]}"),
+        Row("last stage peak (1 layer, head, loss over 129,280 tokens, MTP)", None,
+            last.peak_bytes, f"not analysed by the paper; largest item {last.dominant()[0]}"),
+        Row("communication buffers alive at stage 1's peak", None, mid.comm_buffer_bytes,
+            "all-gathers, reduce-scatters and all-to-alls not kept for backward"),
+        Row("temporaries alive at stage 1's peak", None, mid.temporary_bytes,
+            f"transients of the step running at the peak ({mid.peak_step}); largest: "
+            + "; ".join(f"{x['module']} {x['shape']} {x['dtype']}" for x in mid.largest
+                        if x["category"] == "temporary")[:200]),
+        Row("stage-1 activations at its peak, flash instead of eager attention", None,
+            flash.ranks[STAGE].activation_bytes,
+            f"{(mid.activation_bytes - flash.ranks[STAGE].activation_bytes) / 2**30:,.1f} GiB "
+            f"less: the fused kernel keeps output and logsumexp, not the s x s scores"),
+    ]
+    return rows
