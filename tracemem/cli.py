@@ -128,9 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     cross = sub.add_parser(
         "crosscheck", help="closed-form formulas beside the traced figures, term by term")
-    cross.add_argument("--paper", choices=["2502.07846"], required=True,
+    which = cross.add_mutually_exclusive_group(required=True)
+    which.add_argument("--paper", choices=["2502.07846"],
                        help="the formulas to check: arXiv 2502.07846 (DeepSeek-V3, PP16, TP2 + "
                             "SP, EP8, eager attention, a middle stage)")
+    which.add_argument("--korthikanti", action="store_true",
+                       help="Korthikanti et al. 2022 per-layer activations against a traced "
+                            "GPT-style layer (h 1024, 16 heads), and the pipeline first-stage "
+                            "factors against tracemem's schedules")
     cross.add_argument("--b", type=_positive_int, default=1, help="micro-batch size (default 1)")
     cross.add_argument("--s", type=_positive_int, default=4096,
                        help="sequence length in tokens, a multiple of 2 (default 4096)")
@@ -298,7 +303,17 @@ def _run_crosscheck(args: argparse.Namespace) -> str:
 
     if args.s % 2:
         raise TracememError(f"--s {args.s} must be a multiple of 2 (TP 2 with SP splits it)")
-    rows = paper_rows(b=args.b, s=args.s)
+    if args.korthikanti:
+        from tracemem.crosscheck import korthikanti_rows
+        rows = korthikanti_rows(s=args.s, b=args.b)
+        head = (f"Korthikanti et al. 2022 against the trace: a GPT-style layer, h 1024, 16 heads, "
+                f"b={args.b}, s={args.s}, bf16, no TP; bytes unless marked")
+    else:
+        rows = paper_rows(b=args.b, s=args.s)
+        head = (f"arXiv 2502.07846 against the trace: DeepSeek-V3, PP16 (4 layers per middle "
+                f"stage), TP2 + SP, EP8, ETP1, ZeRO-3, the paper's plan and precision, eager "
+                f"attention, b={args.b}, s={args.s}; bytes unless marked, exact (no allocator "
+                f"rounding)")
     if args.json:
         return json.dumps([{"quantity": r.quantity, "formula": r.formula, "traced": r.traced,
                             "difference": r.difference, "unit": r.unit or "elements",
@@ -309,9 +324,6 @@ def _run_crosscheck(args: argparse.Namespace) -> str:
         pct = "" if diff is None or not r.formula else f"{100 * diff / r.formula:+.1f}"
         table.append([r.quantity, "-" if r.formula is None else f"{r.formula:,}",
                       f"{r.traced:,}", "" if diff is None else f"{diff:,}", pct, r.reason])
-    head = (f"arXiv 2502.07846 against the trace: DeepSeek-V3, PP16 (4 layers per middle stage), "
-            f"TP2 + SP, EP8, ETP1, ZeRO-3, the paper's plan and precision, eager attention, "
-            f"b={args.b}, s={args.s}; bytes unless marked, exact (no allocator rounding)")
     return head + "\n\n" + tabulate(
         table, headers=["quantity", "formula", "traced", "traced - formula", "%", "reason"],
         disable_numparse=True, colalign=("left", "right", "right", "right", "right", "left"),

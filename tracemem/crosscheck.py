@@ -23,7 +23,7 @@ from tracemem.parallel import ParallelConfig
 from tracemem.static import static_memory
 from tracemem.tracer import MemoryTracer
 
-__all__ = ["Row", "paper_rows"]
+__all__ = ["Row", "paper_rows", "korthikanti_rows"]
 
 PAPER_LAYOUT = dict(world_size=1024, tp=2, sp=True, pp=16, ep=8, etp=1,
                     pp_layout=(4,) * 15 + (1,), plan="paper-2502.07846",
@@ -165,4 +165,60 @@ def paper_rows(b: int = 1, s: int = 4096, num_microbatches: int = 16) -> list[Ro
             f"{(mid.activation_bytes - flash.ranks[STAGE].activation_bytes) / 2**30:,.1f} GiB "
             f"less: the fused kernel keeps output and logsumexp, not the s x s scores"),
     ]
+    return rows
+
+
+def korthikanti_rows(s: int = 2048, b: int = 1, h: int = 1024, a: int = 16,
+                     pp: int = 4, vpp: int = 2) -> list[Row]:
+    """Korthikanti et al. 2022 (arXiv 2205.05198) against a traced GPT-style layer
+    (``tracemem.validation.cases.EagerAttentionBlock``: LayerNorm, fused QKV, eager causal
+    attention, output projection, LayerNorm, 4h GELU MLP; no dropout, no TP) in bf16, and their
+    pipeline first-stage factors against tracemem's schedules."""
+    from torch.utils.checkpoint import checkpoint
+
+    from tracemem.formulas import korthikanti
+    from tracemem.schedules import inflight_peak, schedule
+    from tracemem.validation.cases import EagerAttentionBlock
+
+    def trace(recompute: bool) -> list:
+        with torch.device("meta"):
+            block = EagerAttentionBlock(h, a, s).to(torch.bfloat16)
+        tracer = MemoryTracer()
+        tracer.track_external(block)
+        with tracer:
+            x = torch.empty(b, s, h, dtype=torch.bfloat16, device="meta", requires_grad=True)
+            out = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        infos = [i for i in tracer.live_at("now") if i.category.value == "activation"]
+        held = [i for i in tracer.live_at("now") if i.category.value == "input"]  # x itself
+        del x, out
+        return infos, held
+
+    none, _ = trace(False)
+    full, inputs = trace(True)
+    formula_none = int(korthikanti.per_layer(s, b, h, a, 1, "none"))
+    sbh, as2b = s * b * h, a * s * s * b
+    stats = [i for i in none if "norm" in i.module and i.dtype == torch.float32]
+    rows = [
+        Row("activations per layer, no parallelism: sbh(34 + 5as/h)", formula_none,
+            sum(i.nbytes for i in none),
+            f"the formula has dropout masks and outputs (as^2 b + 2as^2 b + 2sbh = "
+            f"{3 * as2b + 2 * sbh:,} B) the traced layer has none; the trace has LayerNorm "
+            f"statistics the formula omits ({sum(i.nbytes for i in stats):,} B: "
+            + _describe(stats, 1) + "); largest traced: " + _describe(none)),
+        Row("activations per layer, full recompute: 2sbh",
+            int(korthikanti.per_layer(s, b, h, a, 1, "full")),
+            sum(i.nbytes for i in full) + sum(i.nbytes for i in inputs),
+            "same accounting: only the layer input is kept; traced: "
+            + _describe(full + inputs, 1)),
+    ]
+    chunks = inflight_peak(schedule("1f1b", pp, 1, 4 * pp)[0])
+    rows.append(Row(f"1F1B first stage, microbatches held (PP {pp})", pp, chunks,
+                    "same accounting: stage 0 holds pp microbatches", ""))
+    chunks = inflight_peak(schedule("interleaved-1f1b", pp, vpp, 4 * pp)[0])
+    factor = korthikanti.first_stage_total(1.0, pp, pp, m=4 * pp, vpp=vpp)  # in stages' worth
+    rows.append(Row(f"interleaved first stage, stages' worth of activations (PP {pp}, VPP "
+                    f"{vpp}): pp (1 + (pp - 1) / (pp v))", round(factor * 1000),
+                    round(chunks / vpp * 1000),
+                    f"same accounting: rank 0 holds {chunks} chunks of 1/{vpp} stage "
+                    f"(Megatron's warm-up + 1); values x 1000", ""))
     return rows

@@ -46,3 +46,18 @@ def test_crosscheck_cli_json(capsys):
     result = json.loads(capsys.readouterr().out)
     assert {"quantity", "formula", "traced", "difference", "unit", "reason"} <= set(result[0])
     assert result[0]["difference"] == 0
+
+
+def test_korthikanti_layer_agrees_once_dropout_and_layernorm_statistics_are_itemised():
+    from tracemem.crosscheck import korthikanti_rows
+
+    s, b, h, a = 1024, 2, 256, 8
+    rows = korthikanti_rows(s=s, b=b, h=h, a=a)
+    layer = rows[0]
+    sbh, as2b = s * b * h, a * s * s * b
+    assert layer.formula == sbh * (34 + 5 * a * s // h)
+    dropout = as2b + 2 * as2b + 2 * sbh  # masks (1 B) and outputs (2 B) the model lacks
+    layernorm_stats = 2 * 2 * s * b * 4  # two LayerNorms' float32 mean and rstd, (b, s, 1)
+    assert layer.traced == layer.formula - dropout + layernorm_stats
+    assert rows[1].formula == rows[1].traced == 2 * sbh  # full recompute: the layer input
+    assert all(r.difference == 0 for r in rows[2:])  # first-stage factors
