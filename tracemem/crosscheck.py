@@ -18,6 +18,7 @@ from modeling.parallel.build import build_rank
 from modeling.parallel.pp import recv_forward
 from modeling.routing import Balanced
 from tracemem.estimator import estimate
+from tracemem.formulas import megatron
 from tracemem.formulas import paper_2502_07846 as paper
 from tracemem.parallel import ParallelConfig
 from tracemem.static import static_memory
@@ -106,6 +107,20 @@ def paper_rows(b: int = 1, s: int = 4096, num_microbatches: int = 16) -> list[Ro
         Row("ZeRO-3 gradient bytes", zero[1], static.grad_bytes, same),
         Row("ZeRO-3 optimizer-state bytes", zero[2], static.optimizer_bytes, same),
     ]
+
+    params = static.dense_params + static.expert_params
+    for zero_stage in (0, 1):
+        mpar = ParallelConfig.create(cfg, zero=zero_stage, **(PAPER_LAYOUT | {
+            "precision": "megatron"}))
+        mem = static_memory(model, mpar)
+        per_param = megatron.weight_and_optimizer_bytes_per_param(mpar.dp, zero_stage == 1)
+        rows.append(Row(
+            f"Megatron theoretical_memory_usage, ZeRO-{zero_stage}: "
+            f"{'6 + 12 / DP' if zero_stage else '18'} B per parameter",
+            round(per_param * params), mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
+            same if zero_stage == 0 else
+            f"Megatron's formula shards every optimizer state over DP ({mpar.dp}); the "
+            f"{static.expert_params:,} expert parameters shard over EDP ({mpar.edp})"))
 
     none = _trace_stage_forward(cfg, par, b, s, "none")
     full = _trace_stage_forward(cfg, par, b, s, "full")

@@ -19,9 +19,19 @@ def rows():
 
 
 def test_static_rows_agree_to_the_byte(rows):
-    static = [r for q, r in rows.items() if "parameter" in q or "ZeRO-3" in q]
+    static = [r for q, r in rows.items() if ("parameter" in q or "ZeRO-3" in q)
+              and "Megatron" not in q]
     assert len(static) == 6 and all(r.difference == 0 for r in static)
     assert rows["ZeRO-3 parameter bytes (DP 32, EDP 8)"].traced == 1_480_642_560
+
+
+def test_megatron_theoretical_bytes_per_parameter(rows):
+    zero0 = rows["Megatron theoretical_memory_usage, ZeRO-0: 18 B per parameter"]
+    assert zero0.difference == 0 and zero0.formula == 18 * 6_250_364_928
+    zero1 = rows["Megatron theoretical_memory_usage, ZeRO-1: 6 + 12 / DP B per parameter"]
+    dense, expert = 437_059_584, 5_813_305_344
+    assert zero1.formula == round((6 + 12 / 32) * (dense + expert))
+    assert zero1.traced == 6 * (dense + expert) + 12 * (dense // 32 + expert // 8)
 
 
 def test_full_recompute_layer_input_agrees_and_the_rest_is_explained(rows):
