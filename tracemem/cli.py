@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="activation recompute: full recomputes every decoder layer, "
                            "selective the --recompute-modules (default %(default)s)")
     step.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES,
-                      default=["core_attn"],
-                      help="modules recomputed under --recompute selective (default core_attn)")
+                      default=None,
+                      help="modules recomputed under --recompute selective (default core_attn; "
+                           "DeepSeek-V3 recomputes layernorm mla_up_proj)")
     step.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
                       help="attention kernel: flash keeps output and logsumexp, eager the s x s "
                            "scores (default %(default)s)")
@@ -122,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="keep each stage's sent output until its backward (Megatron frees "
                            "it by default)")
     step.add_argument("--hbm", default=None,
-                      help="device memory per GPU, e.g. 80GiB, to say whether each rank fits")
+                      help="device memory per GPU, e.g. 80GiB, to say whether each rank fits "
+                           "(write --hbm=VALUE for a value starting with -)")
     est.add_argument("--json", action="store_true", help="print JSON, every figure in bytes")
     est.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
@@ -276,6 +278,9 @@ def _run_estimate(args: argparse.Namespace) -> str:
 
     if args.rounding < 0:
         raise TracememError(f"--rounding {args.rounding} must be 0 (exact bytes) or positive")
+    if args.recompute_modules is not None and args.recompute != "selective":
+        raise TracememError(f"--recompute-modules applies to --recompute selective, not "
+                            f"--recompute {args.recompute}")
     layout = {"tp": args.tp, "sp": args.sp, "cp": args.cp, "ep": args.ep, "etp": args.etp,
               "pp": args.pp, "vpp": args.vpp, "zero": args.zero, "precision": args.precision,
               "plan": args.plan,
@@ -289,7 +294,8 @@ def _run_estimate(args: argparse.Namespace) -> str:
         args.model, world_size=args.world_size, micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length, num_microbatches=args.num_microbatches,
         schedule_name=args.schedule, recompute=args.recompute,
-        recompute_modules=tuple(args.recompute_modules), attention=args.attention,
+        recompute_modules=tuple(args.recompute_modules or ("core_attn",)),
+        attention=args.attention,
         experts=args.experts, routing=args.routing, seed=args.seed,
         rounding=args.rounding or None, deallocate_pipeline_outputs=args.deallocate,
         hbm=args.hbm, progress=progress, **layout)
@@ -301,7 +307,7 @@ def _run_estimate(args: argparse.Namespace) -> str:
 def _run_crosscheck(args: argparse.Namespace) -> str:
     from tracemem.crosscheck import paper_rows
 
-    if args.s % 2:
+    if args.paper and args.s % 2:
         raise TracememError(f"--s {args.s} must be a multiple of 2 (TP 2 with SP splits it)")
     if args.korthikanti:
         from tracemem.crosscheck import korthikanti_rows

@@ -131,13 +131,28 @@ def paper_rows(b: int = 1, s: int = 4096, num_microbatches: int = 16) -> list[Ro
     stage_full = sum(i.nbytes for i in full)
     layer_input = b * s // par.tp * cfg.hidden_size * 2  # bf16 (b, s / t, h)
     checkpointed = [i for i in full if i.nbytes == layer_input]
+    # What the trace shows behind the two activation differences:
+    probs = [i for i in mla if i.dtype == torch.float32 and len(i.shape) == 4
+             and i.shape[-1] == i.shape[-2] == s]
+    received = max((i.shape[0] for i in moe if len(i.shape) == 2
+                    and i.shape[-1] == cfg.hidden_size), default=0)
+    local_experts = cfg.num_routed_experts // par.ep
     rows += [
         Row("MLA activations per layer, no recompute (M^A_1)", m_a1,
-            sum(i.nbytes for i in mla), "traced: " + _describe(mla)),
+            sum(i.nbytes for i in mla),
+            f"the eager softmax keeps its probabilities in float32 "
+            f"({sum(i.nbytes for i in probs):,} B: {_describe(probs, 1)}) beside the bf16 "
+            f"scores, where 5bn_hs^2 / t counts 2.5 two-byte arrays; traced: "
+            + _describe(mla)),
         Row("MoE activations per layer, no recompute (M^E_1)", m_e1,
-            sum(i.nbytes for i in moe), "traced: " + _describe(moe)),
+            sum(i.nbytes for i in moe),
+            f"each of the {local_experts} local experts receives {received // local_experts} "
+            f"tokens ({received:,} rows, from all {par.ep} EP peers' s / t tokens), the "
+            f"formula's E = bsN_r / N = {b * s * p.N_r // p.N}; traced: " + _describe(moe)),
         Row("stage activations per microbatch, no recompute (4 M^A_1 + 4 M^E_1)",
-            4 * (m_a1 + m_e1), stage_none, "traced: " + _describe(none)),
+            4 * (m_a1 + m_e1), stage_none,
+            "the two rows above over 4 layers (float32 probabilities, EP fan-in); traced: "
+            + _describe(none)),
         Row("stage activations per microbatch, full recompute (4 M^A_2 + 4 M^E_2)",
             4 * (paper.mla_activation_full(p, b, s, par.tp)
                  + paper.moe_activation_full(p, b, s, par.tp)),
@@ -167,14 +182,16 @@ def paper_rows(b: int = 1, s: int = 4096, num_microbatches: int = 16) -> list[Ro
         Row("stage 0 peak (embedding, 3 dense layers + 1 MoE layer)", None, first.peak_bytes,
             f"not analysed by the paper; {first.inflight_microbatches} microbatches in flight; "
             f"largest item {first.dominant()[0]}"),
-        Row("last stage peak (1 layer, head, loss over 129,280 tokens, MTP)", None,
+        Row("last stage peak (1 layer, head, loss over a 129,280-entry vocabulary, MTP)", None,
             last.peak_bytes, f"not analysed by the paper; largest item {last.dominant()[0]}"),
         Row("communication buffers alive at stage 1's peak", None, mid.comm_buffer_bytes,
             "all-gathers, reduce-scatters and all-to-alls not kept for backward"),
         Row("temporaries alive at stage 1's peak", None, mid.temporary_bytes,
-            f"transients of the step running at the peak ({mid.peak_step}); largest: "
-            + "; ".join(f"{x['module']} {x['shape']} {x['dtype']}" for x in mid.largest
-                        if x["category"] == "temporary")[:200]),
+            f"transients of the step running at the peak ({mid.peak_step})"
+            + (": " + "; ".join(f"{x['module']} {x['shape']} {x['dtype']}" for x in mid.largest
+                                if x["category"] == "temporary")
+               if any(x["category"] == "temporary" for x in mid.largest)
+               else "; none is among the 8 largest storages alive")),
         Row("stage-1 activations at its peak, flash instead of eager attention", None,
             flash.ranks[STAGE].activation_bytes,
             f"{(mid.activation_bytes - flash.ranks[STAGE].activation_bytes) / 2**30:,.1f} GiB "

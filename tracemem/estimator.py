@@ -11,6 +11,7 @@ apart from gradient accumulation, which the second microbatch's segments capture
 replay is exact for what the tracer sees.
 
 Conventions, each a line item:
+- Parameters are bf16 (every precision recipe trains in bf16) whatever the config's dtype.
 - Gradients live in preallocated fp32 main-grad buffers (Megatron-Core DDP), counted in static
   memory; the bf16 gradient a backward produces is a transient, added to the main grad and
   freed at once.
@@ -65,8 +66,8 @@ def parse_bytes(text: str) -> int:
                 break
             if value > 0:
                 return int(value * _UNITS[unit])
-    raise TracememError(f"--hbm {text!r} is invalid; give a size such as 80GiB or 141GiB "
-                        f"(units {', '.join(_UNITS)})")
+    raise TracememError(f"--hbm {text!r} is invalid; give a positive size such as 80GiB or "
+                        f"141GiB (units {', '.join(_UNITS)})")
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,10 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
                                                        torch.bfloat16)
                 backward_from(output, grad)
                 del inputs, output, labels, grad  # the schedule drops them after backward
+                # Megatron adds each .grad into the fp32 main grad and drops it, so every
+                # microbatch's backward makes a fresh gradient, like the first one
+                for param in model.parameters():
+                    param.grad = None
             segments.events[(chunk, "F", mb)] = tracer.events[start:middle]
             segments.events[(chunk, "B", mb)] = tracer.events[middle:len(tracer.events)]
     return model, segments
@@ -333,7 +338,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                 "recompute": recompute,
                 "recompute_modules": list(recompute_modules) if recompute == "selective"
                 else [], "attention": attention, "experts": experts, "routing": routing,
-                "seed": seed, "rounding": rounding,
+                "seed": seed, "rounding": rounding or 0,
                 "deallocate_pipeline_outputs": deallocate_pipeline_outputs}
     return Estimate(cfg.name, par, settings, results, hbm_bytes)
 

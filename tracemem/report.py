@@ -168,4 +168,5 @@ def format_estimate(result) -> str:
             f"{worst.peak_step or '-'} with {worst.inflight_microbatches} microbatches in flight; "
             f"largest item: {item} ({size / gib:.2f} GiB).")
     return "\n".join([head, "", table, "", "(memory columns in GiB = 2^30 bytes, alive at each "
-                       "rank's peak; in-flight = microbatch forwards held)", tail])
+                       "rank's peak; in-flight = forwards held, counted in model chunks: up to "
+                       "M x VPP with VPP > 1)", tail])
