@@ -209,17 +209,22 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                        help="which modules TP and EP split (default %(default)s)")
 
 
+def _layout_kwargs(args: argparse.Namespace) -> dict:
+    """``ParallelConfig.create`` keywords (all but ``world_size``) from the parallel flags."""
+    from tracemem.parallel import parse_layout
+
+    return dict(tp=args.tp, sp=args.sp, cp=args.cp, ep=args.ep, etp=args.etp, pp=args.pp,
+                vpp=args.vpp, zero=args.zero, precision=args.precision, plan=args.plan,
+                pp_layout=parse_layout(args.pp_layout) if args.pp_layout is not None else None,
+                pp_first_stage_layers=args.pp_first_stage_layers,
+                pp_last_stage_layers=args.pp_last_stage_layers)
+
+
 def parallel_config_from_args(args: argparse.Namespace, model_cfg):
     """A validated ``ParallelConfig`` from the flags of ``add_parallel_arguments``."""
-    from tracemem.parallel import ParallelConfig, parse_layout
+    from tracemem.parallel import ParallelConfig
 
-    return ParallelConfig.create(
-        model_cfg, world_size=args.world_size, tp=args.tp, sp=args.sp, cp=args.cp, ep=args.ep,
-        etp=args.etp, pp=args.pp, vpp=args.vpp, zero=args.zero, precision=args.precision,
-        plan=args.plan,
-        pp_layout=parse_layout(args.pp_layout) if args.pp_layout is not None else None,
-        pp_first_stage_layers=args.pp_first_stage_layers,
-        pp_last_stage_layers=args.pp_last_stage_layers)
+    return ParallelConfig.create(model_cfg, world_size=args.world_size, **_layout_kwargs(args))
 
 
 def _add_output_flags(parser: argparse.ArgumentParser) -> None:
@@ -281,14 +286,6 @@ def _run_estimate(args: argparse.Namespace) -> str:
     if args.recompute_modules is not None and args.recompute != "selective":
         raise TracememError(f"--recompute-modules applies to --recompute selective, not "
                             f"--recompute {args.recompute}")
-    layout = {"tp": args.tp, "sp": args.sp, "cp": args.cp, "ep": args.ep, "etp": args.etp,
-              "pp": args.pp, "vpp": args.vpp, "zero": args.zero, "precision": args.precision,
-              "plan": args.plan,
-              "pp_first_stage_layers": args.pp_first_stage_layers,
-              "pp_last_stage_layers": args.pp_last_stage_layers}
-    if args.pp_layout is not None:
-        from tracemem.parallel import parse_layout
-        layout["pp_layout"] = parse_layout(args.pp_layout)
     progress = stderr_progress(args.quiet)
     result = estimate(
         args.model, world_size=args.world_size, micro_batch_size=args.micro_batch_size,
@@ -298,7 +295,7 @@ def _run_estimate(args: argparse.Namespace) -> str:
         attention=args.attention,
         experts=args.experts, routing=args.routing, seed=args.seed,
         rounding=args.rounding or None, deallocate_pipeline_outputs=args.deallocate,
-        hbm=args.hbm, progress=progress, **layout)
+        hbm=args.hbm, progress=progress, **_layout_kwargs(args))
     if progress:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     return format_estimate_json(result) if args.json else format_estimate(result)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TracememError", "MissingMetaKernelError"]
+__all__ = ["TracememError", "MissingMetaKernelError", "divisors_hint"]
 
 
 class TracememError(ValueError):
@@ -17,3 +17,15 @@ class MissingMetaKernelError(TracememError):
     ``torch.library.register_fake``, which is all tracemem needs to trace a layer whose real
     kernel is not written yet.
     """
+
+
+def divisors_hint(n: int, limit: int = 8) -> str:
+    """The first ``limit`` divisors of ``n``, for "try ..." in an error message. The search
+    stops at 2^20, so a huge ``n`` cannot stall the message."""
+    found = []
+    for d in range(1, min(n, 2**20) + 1):
+        if n % d == 0:
+            found.append(d)
+            if len(found) == limit:
+                return ", ".join(map(str, found)) + ", ..."
+    return ", ".join(map(str, found))

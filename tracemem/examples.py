@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tracemem.errors import TracememError
+from tracemem.errors import TracememError, divisors_hint
 from tracemem.tracer import MemoryTracer
 from tracemem.validation.cases import EagerAttentionBlock
 
@@ -41,17 +41,10 @@ class DemoConfig:
         if self.hidden_size % self.num_attention_heads:
             raise TracememError(
                 f"--num-attention-heads {self.num_attention_heads} must divide --hidden-size "
-                f"{self.hidden_size}; try {_divisors_near(self.hidden_size, self.num_attention_heads)}")
+                f"{self.hidden_size}; try {divisors_hint(self.hidden_size)}")
         if self.dtype not in DTYPES:
             raise TracememError(f"--dtype {self.dtype!r} is invalid; choose one of "
                                 f"{', '.join(DTYPES)}")
-
-
-def _divisors_near(n: int, k: int) -> str:
-    """Up to four divisors of ``n`` nearest to ``k`` (searching 1 .. 4k, so it stays fast)."""
-    divisors = [d for d in range(1, min(n, 4 * k) + 1) if n % d == 0]
-    divisors.sort(key=lambda d: abs(d - k))
-    return ", ".join(str(d) for d in sorted(divisors[:4]))
 
 
 class DemoTransformer(nn.Module):

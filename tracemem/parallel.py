@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from tracemem.errors import TracememError
+from tracemem.errors import TracememError, divisors_hint
 
 __all__ = ["ParallelConfig", "PRECISIONS", "PLANS", "parse_layout"]
 
@@ -25,11 +25,6 @@ PLANS = ("megatron", "paper-2502.07846")
 
 def _count(n: int, word: str, plural: str | None = None) -> str:
     return f"{n} {word if n == 1 else plural or word + 's'}"
-
-
-def _divisors(n: int, limit: int = 8) -> str:
-    found = [d for d in range(1, n + 1) if n % d == 0][:limit]
-    return ", ".join(str(d) for d in found) + (", ..." if len(found) == limit else "")
 
 
 def parse_layout(text: str) -> tuple[int, ...]:
@@ -155,15 +150,15 @@ class ParallelConfig:
         heads = model_cfg.num_attention_heads
         if heads % self.tp:
             raise TracememError(f"--tp {self.tp} must divide num_attention_heads ({heads}); "
-                                f"try {_divisors(heads)}")
+                                f"try {divisors_hint(heads)}")
         experts = model_cfg.num_routed_experts
         if experts % self.ep:
             raise TracememError(f"--ep {self.ep} must divide n_routed_experts ({experts}); "
-                                f"try {_divisors(experts)}")
+                                f"try {divisors_hint(experts)}")
         inter = model_cfg.moe_intermediate_size
         if inter % self.etp:
             raise TracememError(f"--etp {self.etp} must divide moe_intermediate_size ({inter}); "
-                                f"try {_divisors(inter)}")
+                                f"try {divisors_hint(inter)}")
         sizes = ["intermediate_size", "moe_intermediate_size", "hidden_size"]
         if self.plan == "paper-2502.07846":  # no vocabulary padding under the paper's plan
             sizes.append("vocab_size")
@@ -171,7 +166,7 @@ class ParallelConfig:
             size = getattr(model_cfg, name)
             if size % self.tp:
                 raise TracememError(f"--tp {self.tp} must divide {name} ({size}); "
-                                    f"try {_divisors(size)}")
+                                    f"try {divisors_hint(size)}")
         if sum(self.pp_layout) != model_cfg.num_layers:
             raise TracememError(
                 f"--pp-layout sums to {sum(self.pp_layout)} layers; the model has "

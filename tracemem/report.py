@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,7 +132,7 @@ def get_estimate(result) -> dict[str, Any]:
 
 
 def format_estimate_json(result) -> str:
-    import json
+    """``get_estimate`` as indented JSON."""
     return json.dumps(get_estimate(result), indent=2)
 
 

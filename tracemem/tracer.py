@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tracemem.categories import Category, Phase
 from tracemem.errors import MissingMetaKernelError, TracememError
 
-__all__ = ["MemoryTracer", "MemoryEvent", "StorageInfo", "round_cuda_block"]
+__all__ = ["MemoryTracer", "MemoryEvent", "StorageInfo"]
 
 # CUDA's caching allocator rounds every request up to a multiple of kMinBlockSize = 512 bytes
 # (c10/cuda/CUDACachingAllocator.cpp, ``round_size``). A request of 0 bytes allocates nothing.
@@ -61,15 +61,6 @@ _NODE_DONE_KEY = "tracemem.done"
 # (the tensor and the tracer's Python storage object); measured with torch 2.13.
 _SOLE_OWNER_TENSOR_REFS = 4
 _SOLE_OWNER_STORAGE_REFS = 2
-
-
-def round_cuda_block(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator hands out for a request of ``nbytes`` bytes: the request
-    rounded up to a multiple of 512 (c10/cuda/CUDACachingAllocator.cpp, ``round_size``).
-
-    This is the block rounding only; segment sizes and unsplit remainders are not modelled here.
-    """
-    return -(-nbytes // CUDA_MIN_BLOCK_SIZE) * CUDA_MIN_BLOCK_SIZE
 
 
 class _Storage:

@@ -86,11 +86,27 @@ def test_tracemem_estimate_is_the_python_api():
 
 
 def test_skewed_routing_reports_the_most_loaded_ep_rank():
+    from modeling.config import load_config
+    from modeling.routing import parse_routing
+
     result = estimate("deepseek-tiny", world_size=4, ep=4, pp=1, micro_batch_size=2,
                       seq_length=32, num_microbatches=2, routing="hot:1:0.5",
                       experts="sequential")
     (rank,) = result.ranks
-    assert rank.ep_rank is not None and rank.rank == rank.ep_rank
+    # by hand from the routing model: 64 tokens, top-2, 8 experts, 2 per EP rank; the EP rank
+    # whose experts receive the most slots over the MoE layers 2 and 3 (and the MTP's, 4)
+    cfg, hot = load_config("deepseek-tiny"), parse_routing("hot:1:0.5")
+    load = [0] * 4
+    for layer in (2, 3, 4):
+        counts = hot.counts(64, 2, 8, layer)
+        for e in range(4):
+            load[e] += counts[2 * e] + counts[2 * e + 1]
+    assert cfg.num_routed_experts == 8 and sum(load) == 3 * 128
+    assert rank.ep_rank == load.index(max(load)) and rank.rank == rank.ep_rank
+    balanced = estimate("deepseek-tiny", world_size=4, ep=4, pp=1, micro_batch_size=2,
+                        seq_length=32, num_microbatches=2, experts="sequential")
+    assert balanced.ranks[0].ep_rank is None
+    assert rank.peak_bytes > balanced.ranks[0].peak_bytes  # the hot rank receives more tokens
 
 
 def test_parse_bytes():

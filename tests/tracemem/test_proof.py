@@ -52,3 +52,25 @@ def test_tracing_real_cpu_tensors_gives_the_meta_trace(comparison):
     def inside(tracer):  # the comparison's meta setup is gone: drop the frees that followed
         return [(e.action, e.nbytes, e.phase) for e in tracer.events if e.phase != "outside"]
     assert inside(cpu_tracer) == inside(meta_tracer)
+
+
+def test_unseen_allocations_are_the_wrapped_scalars_in_the_mlp_case():
+    # The tracer and the profiler on the same real CPU step: what the profiler sees and the
+    # tracer does not are the scalars PyTorch wraps below the dispatcher (8 B float64 / int64,
+    # their 4 B float32 copies), each allocated and freed again.
+    import torch
+
+    from tracemem import MemoryTracer
+    from tracemem.validation import get_case, profile_cpu_step, unseen_allocations
+
+    torch.manual_seed(0)
+    setup = get_case("mlp").build("cpu")
+    tracer = MemoryTracer()
+    tracer.track_external(*setup.externals)
+
+    def step():
+        with tracer:
+            setup.step()
+
+    unseen = unseen_allocations(profile_cpu_step(step), tracer)
+    assert unseen and set(abs(d) for d in unseen) <= {4, 8} and sum(unseen) == 0
