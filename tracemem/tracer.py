@@ -278,23 +278,23 @@ class MemoryTracer(TorchDispatchMode):
         for name, mod in module.named_modules(remove_duplicate=False):
             self._module_names.setdefault(mod, name)
         for mod_name, mod in module.named_modules():
-            for name, p in mod.named_parameters(recurse=False):
-                self._register(p, Category.PARAMETER, mod_name, Phase.EXTERNAL, None)
-                self._leaves[p] = None
-                if p.grad is not None:
-                    self._register(p.grad, Category.GRADIENT, mod_name, Phase.EXTERNAL, None)
-            for name, b in mod.named_buffers(recurse=False):
+            for p in mod.parameters(recurse=False):
+                self._track_parameter(p, mod_name)
+            for b in mod.buffers(recurse=False):
                 self._register(b, Category.BUFFER, mod_name, Phase.EXTERNAL, None)
 
     def _track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizers.add(optimizer)
         for group in optimizer.param_groups:
             for p in group["params"]:
-                self._register(p, Category.PARAMETER, "", Phase.EXTERNAL, None)
-                self._leaves[p] = None
-                if p.grad is not None:
-                    self._register(p.grad, Category.GRADIENT, "", Phase.EXTERNAL, None)
+                self._track_parameter(p, "")
         self._retag_optimizer_states(optimizer, register=True)
+
+    def _track_parameter(self, p: Tensor, module: str) -> None:
+        self._register(p, Category.PARAMETER, module, Phase.EXTERNAL, None)
+        self._leaves[p] = None
+        if p.grad is not None:
+            self._register(p.grad, Category.GRADIENT, module, Phase.EXTERNAL, None)
 
     # ------------------------------------------------------------------ storage accounting
     def _counted(self, t: Tensor) -> bool:
