@@ -23,6 +23,12 @@ _LAYOUT_PART = re.compile(r"^([0-9]+)(?:\*([0-9]+))?$", re.ASCII)
 PLANS = ("megatron", "paper-2502.07846")
 
 
+def _multiples(n: int, of: int) -> str:
+    """The multiples of ``of`` either side of ``n``."""
+    below = n // of * of
+    return f"{below} or {below + of}" if below else str(of)
+
+
 def _count(n: int, word: str, plural: str | None = None) -> str:
     return f"{n} {word if n == 1 else plural or word + 's'}"
 
@@ -105,12 +111,14 @@ class ParallelConfig:
         if self.world_size % dense:
             raise TracememError(
                 f"--world-size {self.world_size} is not a multiple of tp({self.tp}) * "
-                f"cp({self.cp}) * pp({self.pp}) = {dense}; DP would not be an integer")
+                f"cp({self.cp}) * pp({self.pp}) = {dense}; DP would not be an integer; try "
+                f"{_multiples(self.world_size, dense)}")
         expert = self.etp * self.ep * self.pp
         if self.world_size % expert:
             raise TracememError(
                 f"--world-size {self.world_size} is not a multiple of etp({self.etp}) * "
-                f"ep({self.ep}) * pp({self.pp}) = {expert}; EDP would not be an integer")
+                f"ep({self.ep}) * pp({self.pp}) = {expert}; EDP would not be an integer; try "
+                f"{_multiples(self.world_size, expert)}")
         object.__setattr__(self, "dp", self.world_size // dense)
         object.__setattr__(self, "edp", self.world_size // expert)
 

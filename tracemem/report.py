@@ -165,8 +165,10 @@ def format_estimate(result) -> str:
     item, size = worst.dominant()
     where = f"stage {worst.pp_stage}" + ("" if worst.ep_rank is None else
                                           f", EP rank {worst.ep_rank}")
+    held = (f"{worst.inflight_microbatches} microbatches in flight" if par.vpp == 1 else
+            f"{worst.inflight_microbatches} model-chunk forwards in flight")
     tail = (f"Worst rank: {where}, peak {worst.peak_bytes / gib:.2f} GiB at step "
-            f"{worst.peak_step or '-'} with {worst.inflight_microbatches} microbatches in flight; "
+            f"{worst.peak_step or '-'} with {held}; "
             f"largest item: {item} ({size / gib:.2f} GiB).")
     return "\n".join([head, "", table, "", "(memory columns in GiB = 2^30 bytes, alive at each "
                        "rank's peak; in-flight = forwards held, counted in model chunks: up to "

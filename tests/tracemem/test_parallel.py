@@ -63,7 +63,8 @@ def test_tp_must_divide_the_vocabulary_under_the_paper_plan_and_the_hidden_size(
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(world_size=1024, tp=3, pp=16, ep=8, pp_layout=(4,) * 15 + (1,)),
-     r"--world-size 1024 is not a multiple of tp\(3\) \* cp\(1\) \* pp\(16\) = 48"),
+     r"--world-size 1024 is not a multiple of tp\(3\) \* cp\(1\) \* pp\(16\) = 48; DP would "
+     r"not be an integer; try 1008 or 1056"),
     (dict(world_size=96, tp=3, pp=16, ep=2, pp_layout=(4,) * 15 + (1,)),
      r"--tp 3 must divide num_attention_heads \(128\); try 1, 2, 4, 8"),
     (dict(world_size=1008, tp=1, pp=16, ep=7, pp_layout=(4,) * 15 + (1,)),
@@ -71,7 +72,8 @@ def test_tp_must_divide_the_vocabulary_under_the_paper_plan_and_the_hidden_size(
     (dict(world_size=1024, tp=2, pp=16, ep=1, etp=2, pp_layout=(4,) * 15 + (1,)),
      "--etp 2 needs --ep > 1"),
     (dict(world_size=64, tp=2, pp=16, ep=8, pp_layout=(4,) * 15 + (1,)),
-     r"--world-size 64 is not a multiple of etp\(1\) \* ep\(8\) \* pp\(16\) = 128"),
+     r"--world-size 64 is not a multiple of etp\(1\) \* ep\(8\) \* pp\(16\) = 128; EDP would "
+     r"not be an integer; try 128"),
     (dict(world_size=1024, tp=1, sp=True, pp=16, pp_layout=(4,) * 15 + (1,)),
      "--sp needs --tp > 1"),
     (dict(world_size=1024, tp=2, pp=16), r"61 layers do not divide into pp \* vpp = 16 stages; "
