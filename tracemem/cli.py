@@ -354,7 +354,8 @@ def _run_static(args: argparse.Namespace) -> str:
             "zero3_gather_bytes": memory.zero3_gather_bytes, "total_bytes": memory.total_bytes,
         })
     layout = {k: getattr(par, k) for k in ("world_size", "tp", "sp", "cp", "ep", "etp", "pp",
-                                          "vpp", "dp", "edp", "zero", "precision", "plan")}
+                                          "vpp", "dp", "dp_cp", "edp", "zero", "precision",
+                                          "plan")}
     layout["pp_layout"] = list(par.pp_layout)
     if args.json:
         return json.dumps({"model": cfg.name, "parallel": layout, "stages": stages}, indent=2)
@@ -366,7 +367,8 @@ def _run_static(args: argparse.Namespace) -> str:
             for s in stages]
     recipe = PRECISION_RECIPES[par.precision]
     head = (f"{cfg.name}: world {par.world_size} = TP {par.tp} x CP {par.cp} x PP {par.pp} x "
-            f"DP {par.dp}; experts EP {par.ep} x ETP {par.etp} x EDP {par.edp}; ZeRO-{par.zero}; "
+            f"DP {par.dp} (ZeRO shards dense over DP x CP = {par.dp_cp}); experts EP {par.ep} "
+            f"x ETP {par.etp} x EDP {par.edp}; ZeRO-{par.zero}; "
             f"plan {par.plan}; precision {par.precision} ({recipe.param_bytes} / "
             f"{recipe.grad_bytes} / {recipe.optimizer_bytes} B per parameter)")
     table = tabulate(rows, headers=["stage", "layers", "dense params", "expert params",

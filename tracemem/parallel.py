@@ -5,7 +5,8 @@ Conventions (Megatron-Core, ``megatron/core/parallel_state.py``, ``initialize_mo
 with MoE parallel folding): dense layers use world = TP * CP * PP * DP; expert layers use
 world = ETP * EP * PP * EDP, so DP = world / (TP * CP * PP) and EDP = world / (ETP * EP * PP).
 Ranks are ordered TP fastest, then CP, DP, PP (Megatron's default order "tp-cp-ep-dp-pp");
-``stage_of(rank)`` follows from it.
+``stage_of(rank)`` follows from it. ``SHARDING`` is the one table of which group (DP x CP or
+EDP) shards each static quantity under each ZeRO stage; ``tracemem.static`` reads it.
 """
 
 from __future__ import annotations
@@ -15,12 +16,76 @@ from dataclasses import dataclass, field
 
 from tracemem.errors import TracememError, divisors_hint
 
-__all__ = ["ParallelConfig", "PRECISIONS", "PLANS", "parse_layout"]
+__all__ = ["ParallelConfig", "PRECISIONS", "PLANS", "parse_layout", "ShardingRule", "SHARDING",
+           "GROUPS", "sharding_rule"]
 
 PRECISIONS = ("megatron", "paper-2502.07846", "deepseek-v3")
 MAX_STAGES = 4096  # more virtual pipeline stages than any real job; bounds --pp-layout
 _LAYOUT_PART = re.compile(r"^([0-9]+)(?:\*([0-9]+))?$", re.ASCII)
 PLANS = ("megatron", "paper-2502.07846")
+
+
+# The groups that shard static memory, with their sizes. Megatron-Core pinned at NVIDIA/Megatron-LM
+# d98e8a6 (2026-08-22); ``parallel_state.py`` ``initialize_model_parallel``: the dense rank
+# generator has cp = CP and builds the "dp-cp" groups (_DATA_PARALLEL_GROUP_WITH_CP); the expert
+# rank generator has cp = 1 and dp = world / (ETP * EP * PP) (expert_data_parallel_size), so CP
+# is folded into EDP.
+GROUPS = {
+    "dp_cp": "DP x CP = world / (TP x PP): the data-parallel group with context parallelism",
+    "edp": "EDP = world / (ETP x EP x PP): the expert data-parallel group (CP folded in)",
+}
+
+
+@dataclass(frozen=True)
+class ShardingRule:
+    """One row of ``SHARDING``: ``quantity`` of the ``kind`` ("dense" or "expert") parameters is
+    split over ``group`` (a ``GROUPS`` key) from ZeRO stage ``zero`` up; ``source`` is the
+    Megatron-Core file and function (at d98e8a6) that decides it."""
+
+    quantity: str
+    kind: str
+    group: str
+    zero: int
+    source: str
+
+
+_OPTIM = "megatron/core/optimizer/__init__.py get_megatron_optimizer"
+_DDP = "megatron/core/distributed/distributed_data_parallel.py DistributedDataParallel.__init__"
+_FSDP = ("megatron/core/distributed/fsdp/mcore_fsdp_adapter.py FullyShardedDataParallel "
+         "(data_parallel_sharding_strategy optim_grads / optim_grads_params)")
+
+# Every sharded quantity of static memory and the group that shards it (ZeRO stage 1 is
+# Megatron's distributed optimizer; 2 and 3 Megatron-FSDP's optim_grads / optim_grads_params).
+SHARDING = (
+    ShardingRule("optimizer_states", "dense", "dp_cp", 1,
+                 f"{_OPTIM}: dense param groups get data_parallel_group=intra_dp_cp_group"),
+    ShardingRule("optimizer_states", "expert", "edp", 1,
+                 f"{_OPTIM}: expert param groups get data_parallel_group=intra_expt_dp_group"),
+    ShardingRule("gradients", "dense", "dp_cp", 2,
+                 f"{_DDP}: dense buffers reduce-scatter over intra_dp_cp_group; {_FSDP}: "
+                 f"dp_cp group"),
+    ShardingRule("gradients", "expert", "edp", 2,
+                 f"{_DDP}: expert buffers reduce-scatter over intra_expt_dp_group; {_FSDP}: "
+                 f"expt_dp group"),
+    ShardingRule("parameters", "dense", "dp_cp", 3, f"{_FSDP}: dp_cp group"),
+    ShardingRule("parameters", "expert", "edp", 3, f"{_FSDP}: expt_dp group"),
+    ShardingRule("zero3_gathers", "dense", "dp_cp", 3,
+                 f"{_FSDP}: a unit's dense parameters all-gathered over dp_cp"),
+    ShardingRule("zero3_gathers", "expert", "edp", 3,
+                 f"{_FSDP}: a unit's expert parameters all-gathered over expt_dp"),
+)
+
+
+def sharding_rule(quantity: str, kind: str) -> ShardingRule:
+    """The ``SHARDING`` row of ``quantity`` and ``kind``.
+
+    Raises:
+        KeyError: no such row (a programming error, not user input).
+    """
+    for rule in SHARDING:
+        if (rule.quantity, rule.kind) == (quantity, kind):
+            return rule
+    raise KeyError((quantity, kind))
 
 
 def _multiples(n: int, of: int) -> str:
@@ -60,9 +125,9 @@ class ParallelConfig:
     tp > 1), ``cp`` (context parallel), ``ep`` (expert parallel), ``etp`` (expert tensor
     parallel), ``pp`` (pipeline stages), ``vpp`` (virtual stages per pipeline rank),
     ``pp_layout`` (decoder layers per virtual stage, in order; None = even split),
-    ``zero`` (0: none, 1: optimizer states, 2: + gradients, 3: + parameters sharded over DP for
-    dense and EDP for expert parameters), ``precision`` (``PRECISIONS``), ``plan``
-    (``PLANS``). ``dp`` and ``edp`` are derived.
+    ``zero`` (0: none, 1: optimizer states, 2: + gradients, 3: + parameters sharded over
+    DP x CP for dense and EDP for expert parameters: ``SHARDING``), ``precision``
+    (``PRECISIONS``), ``plan`` (``PLANS``). ``dp`` and ``edp`` are derived.
 
     Use ``ParallelConfig.create(...)``, which validates against the model and derives the rest.
 
@@ -121,6 +186,21 @@ class ParallelConfig:
                 f"{_multiples(self.world_size, expert)}")
         object.__setattr__(self, "dp", self.world_size // dense)
         object.__setattr__(self, "edp", self.world_size // expert)
+
+    @property
+    def dp_cp(self) -> int:
+        """DP x CP: the group that shards dense optimizer states, gradients and parameters."""
+        return self.dp * self.cp
+
+    def group_size(self, group: str) -> int:
+        """The size of ``group`` (a ``GROUPS`` key) in this layout."""
+        return {"dp_cp": self.dp_cp, "edp": self.edp}[group]
+
+    def shards(self, quantity: str, kind: str) -> int:
+        """How many ways this layout's ZeRO stage splits ``quantity`` of ``kind`` parameters
+        (``SHARDING``): the group's size, or 1 below the rule's ZeRO stage."""
+        rule = sharding_rule(quantity, kind)
+        return self.group_size(rule.group) if self.zero >= rule.zero else 1
 
     @property
     def num_virtual_stages(self) -> int:

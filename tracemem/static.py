@@ -5,8 +5,8 @@ Counts come from the rank's real module (``modeling.parallel.build_rank`` on the
 only the bytes per element and the ZeRO divisors are conventions, each cited below.
 
 ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054): stage 1 shards optimizer states, stage 2 also
-gradients, stage 3 also parameters; dense parameters over DP, expert parameters over EDP
-(Megatron-Core's distributed optimizer keeps separate dense and expert data-parallel groups).
+gradients, stage 3 also parameters; which group shards each quantity (dense: DP x CP, expert:
+EDP) is the table ``tracemem.parallel.SHARDING``, each row cited to Megatron-Core.
 A sharded count is rounded up (ceil) to whole elements per rank. Under ZeRO-3 each layer is
 all-gathered before use; the largest layer's gathered parameters are a transient line item.
 """
@@ -58,7 +58,7 @@ class StaticMemory:
     EP / ETP shard) before ZeRO; bytes are after ZeRO sharding.
 
     Attributes:
-        dense_params, expert_params: parameter elements held, by ZeRO group (DP vs EDP).
+        dense_params, expert_params: parameter elements held, by ZeRO group (DP x CP vs EDP).
         param_bytes, grad_bytes, optimizer_bytes: after ZeRO.
         buffer_bytes: persistent buffers (the router's correction bias), never sharded.
         zero3_gather_bytes: ZeRO-3 only: the largest layer's parameters all-gathered
@@ -81,13 +81,14 @@ class StaticMemory:
                 + self.zero3_gather_bytes)
 
 
-def _shard(elements: int, ways: int, sharded: bool) -> int:
-    return -(-elements // ways) if sharded else elements
+def _shard(elements: int, ways: int) -> int:
+    return -(-elements // ways)
 
 
 def static_memory(model: nn.Module, par) -> StaticMemory:
     """Static memory of a rank's model (``build_rank``) under ``par`` (a
-    ``tracemem.ParallelConfig``: its zero, precision, plan, dp and edp).
+    ``tracemem.ParallelConfig``: its zero, precision, plan and the group sizes that
+    ``tracemem.parallel.SHARDING`` names).
 
     Raises:
         TracememError: unknown precision recipe.
@@ -103,9 +104,9 @@ def static_memory(model: nn.Module, par) -> StaticMemory:
         else:
             dense += param.numel()
 
-    def sharded(bytes_per: int, stage: int) -> int:
-        on = par.zero >= stage
-        return bytes_per * (_shard(dense, par.dp, on) + _shard(expert, par.edp, on))
+    def sharded(bytes_per: int, quantity: str) -> int:
+        return bytes_per * (_shard(dense, par.shards(quantity, "dense"))
+                            + _shard(expert, par.shards(quantity, "expert")))
 
     persistent = model.state_dict(keep_vars=True)
     buffers = sum(b.numel() * b.element_size() for name, b in model.named_buffers()
@@ -116,6 +117,7 @@ def static_memory(model: nn.Module, par) -> StaticMemory:
                   and name.split(".")[0] in ("layers", "mtp")]
         gather = recipe.param_bytes * max(
             (sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
-    return StaticMemory(dense, expert, sharded(recipe.param_bytes, 3),
-                        sharded(recipe.grad_bytes, 2), sharded(recipe.optimizer_bytes, 1),
+    return StaticMemory(dense, expert, sharded(recipe.param_bytes, "parameters"),
+                        sharded(recipe.grad_bytes, "gradients"),
+                        sharded(recipe.optimizer_bytes, "optimizer_states"),
                         buffers, gather, count_by_component(model, buffers=False))

@@ -90,3 +90,75 @@ def test_static_cli_uneven_layers_is_a_usage_error(capsys):
     assert main(["static", "--model", "deepseek-v3", "--world-size", "1024", "--tp", "2",
                  "--pp", "16", "--ep", "8"]) == 2
     assert "give --pp-layout (e.g. 4*15,1)" in capsys.readouterr().err
+
+
+TINY = load_config("deepseek-tiny")
+
+
+def tiny_stage1(zero):
+    """deepseek-tiny, world 16 = TP 1 x CP 2 x PP 2 x DP 4; experts ETP 2 x EP 2 x PP 2 x EDP 2.
+    Rank 8 is the last stage: layers 2-3 (MoE), final norm, head, MTP (with its embedding)."""
+    par = ParallelConfig.create(TINY, world_size=16, cp=2, pp=2, ep=2, etp=2, zero=zero)
+    return par, static_memory(build_rank(TINY, par, 8), par)
+
+
+# Elements of rank 8, by hand (h 64, vocab 256, 4 heads, q LoRA 48, kv LoRA 32, rope 8, nope 16,
+# v 16; 8 experts of width 32, top-2, 1 shared):
+MLA = 64 * 48 + 48 * 4 * (16 + 8) + 64 * (32 + 8) + 32 * 4 * (16 + 16) + 4 * 16 * 64  # 18,432
+NORMS = 64 + 64 + 48 + 32  # attn_norm, ffn_norm, q_norm, kv_norm
+MOE_DENSE = MLA + NORMS + 8 * 64 + 3 * 64 * 32  # + router + shared expert (TP 1)
+STAGE1_DENSE = (2 * MOE_DENSE + 64 + 256 * 64  # layers 2, 3, final norm, head
+                + 64 + 64 + 2 * 64 * 64 + MOE_DENSE + 64  # MTP enorm, hnorm, eh_proj, layer, norm
+                + 256 * 64)  # the MTP stage's embedding
+STAGE1_EXPERT = 3 * (8 // 2) * 3 * 64 * (32 // 2)  # 3 MoE layers x 4 experts x ETP-halved SwiGLU
+DP_CP, EDP = 16 // (1 * 2 * 2) * 2, 16 // (2 * 2 * 2)  # DP 4 x CP 2 = 8; EDP 2
+
+
+def test_sharding_table_every_row_with_cp_ep_etp_and_pp():
+    """Each SHARDING row: dense quantities over DP x CP (8), expert over EDP (2), from the
+    row's ZeRO stage up (megatron recipe: 2 / 4 / 12 B)."""
+    assert (STAGE1_DENSE, STAGE1_EXPERT) == (117_104, 36_864)
+    assert (DP_CP, EDP) == (8, 2)
+    dense_shard, expert_shard = -(-STAGE1_DENSE // DP_CP), STAGE1_EXPERT // EDP  # 14,638; 18,432
+    full = STAGE1_DENSE + STAGE1_EXPERT
+    expected = {  # zero -> (param, grad, optimizer) bytes
+        0: (2 * full, 4 * full, 12 * full),
+        1: (2 * full, 4 * full, 12 * (dense_shard + expert_shard)),
+        2: (2 * full, 4 * (dense_shard + expert_shard), 12 * (dense_shard + expert_shard)),
+        3: (2 * (dense_shard + expert_shard), 4 * (dense_shard + expert_shard),
+            12 * (dense_shard + expert_shard)),
+    }
+    for zero, want in expected.items():
+        par, memory = tiny_stage1(zero)
+        assert (par.dp_cp, par.edp) == (DP_CP, EDP)
+        assert (memory.dense_params, memory.expert_params) == (STAGE1_DENSE, STAGE1_EXPERT)
+        assert (memory.param_bytes, memory.grad_bytes, memory.optimizer_bytes) == want
+    assert expected[3] == (66_140, 132_280, 396_840)
+
+
+def test_sharding_table_rows_are_cited():
+    from tracemem.parallel import GROUPS, SHARDING
+    quantities = {(rule.quantity, rule.kind) for rule in SHARDING}
+    assert quantities >= {(q, k) for q in ("parameters", "gradients", "optimizer_states",
+                                           "zero3_gathers") for k in ("dense", "expert")}
+    assert all(rule.group in GROUPS and "megatron/core/" in rule.source for rule in SHARDING)
+
+
+def test_context_parallelism_does_not_change_the_optimizer_shard(capsys):
+    """Issue 9 item 2: DeepSeek-V2-Lite, world 8, ZeRO-1: the distributed optimizer shards dense
+    states over DP x CP = 8 whatever CP is: 23,559,726,336 B with CP 1 and CP 2."""
+    for cp in (1, 2):
+        assert main(["static", "--model", "deepseek-v2-lite", "--world-size", "8", "--cp",
+                     str(cp), "--zero", "1", "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["parallel"]["dp_cp"] == 8
+        assert result["stages"][0]["optimizer_bytes"] == 23_559_726_336
+
+
+def test_docs_show_the_sharding_table():
+    from pathlib import Path
+
+    from tracemem.parallel import SHARDING
+    doc = Path(__file__).parents[2].joinpath("docs", "parallel.md").read_text()
+    for rule in SHARDING:
+        assert f"| {rule.quantity} | {rule.kind} | {rule.group} | {rule.zero} |" in doc
