@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/tracer_vs_memtracker.py
 	$(BIN)/python benchmarks/layer_trace.py
 	$(BIN)/python benchmarks/estimate_demo.py
+	$(BIN)/python benchmarks/allocator_replay.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
