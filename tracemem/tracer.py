@@ -419,13 +419,24 @@ class MemoryTracer(TorchDispatchMode):
 
     # ------------------------------------------------------------------ retagging
     def _pack_hook(self, t: Tensor) -> Tensor:
+        """Mark a storage saved for backward as an activation; keep what autograd keeps.
+
+        Returns ``t.detach()``, never ``t``: a saved *output* packed as itself holds its
+        ``grad_fn``, the Node that holds the packed value, a reference cycle through C++ that
+        Python's collector cannot break; the storage then outlives the graph whenever the Node
+        never runs (e.g. ``amax`` whose output feeds only ``topk``'s indices). Without hooks,
+        autograd saves an output without its ``grad_fn`` for this reason
+        (``SavedVariable::SavedVariable`` in torch/csrc/autograd/saved_variable.cpp, torch
+        2.13); with hooks, ``SavedVariable::unpack`` rebuilds the autograd metadata from its
+        own fields (an output's Node is passed in by the Node), so the detached tensor (same
+        storage, same version counter) unpacks to the same value."""
         try:
             rec = self._live.get(t.untyped_storage()._cdata)
         except (RuntimeError, NotImplementedError):
-            return t
+            return t.detach()
         if rec is not None and rec.category in (Category.TEMPORARY, Category.COMM_BUFFER):
             rec.category = Category.ACTIVATION  # a received buffer kept for backward is one
-        return t
+        return t.detach()
 
     def tag(self, tensor: Tensor, category: Category) -> None:
         """Give the storage of ``tensor`` (born in the traced region) ``category``: how
