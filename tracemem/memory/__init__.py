@@ -1,5 +1,6 @@
 """Memory models beyond the tracer: the CUDA caching-allocator simulator (reserved memory,
-fragmentation) and its ``PYTORCH_CUDA_ALLOC_CONF`` parser."""
+fragmentation), its ``PYTORCH_CUDA_ALLOC_CONF`` parser, and memory snapshots in the format of
+``torch.cuda.memory._snapshot()``."""
 
 from tracemem.memory.allocator import (
     AllocatorStats,
@@ -9,6 +10,7 @@ from tracemem.memory.allocator import (
     simulate,
 )
 from tracemem.memory.config import AllocatorConfig, parse_alloc_conf
+from tracemem.memory.snapshot import to_snapshot, write_snapshot
 
 __all__ = ["AllocatorConfig", "parse_alloc_conf", "CachingAllocatorSimulator", "AllocatorStats",
-           "simulate", "round_size", "get_allocation_size"]
+           "simulate", "round_size", "get_allocation_size", "to_snapshot", "write_snapshot"]
