@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--hbm", default=None,
                       help="device memory per GPU, e.g. 80GiB, to say whether each rank fits "
                            "(write --hbm=VALUE for a value starting with -)")
+    step.add_argument("--no-zero3-prefetch", dest="zero3_prefetch", action="store_false",
+                      help="under --zero 3, gather each unit only at its own backward (FSDP2 "
+                           "prefetches the next unit's parameters by default)")
     est.add_argument("--json", action="store_true", help="print JSON, every figure in bytes")
     est.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
@@ -295,7 +298,8 @@ def _run_estimate(args: argparse.Namespace) -> str:
         attention=args.attention,
         experts=args.experts, routing=args.routing, seed=args.seed,
         rounding=args.rounding or None, deallocate_pipeline_outputs=args.deallocate,
-        hbm=args.hbm, progress=progress, **_layout_kwargs(args))
+        hbm=args.hbm, progress=progress, zero3_prefetch=args.zero3_prefetch,
+        **_layout_kwargs(args))
     if progress:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     return format_estimate_json(result) if args.json else format_estimate(result)

@@ -45,6 +45,7 @@ from tracemem.parallel import ParallelConfig
 from tracemem.schedules import Step, schedule
 from tracemem.static import StaticMemory, static_memory
 from tracemem.tracer import MemoryTracer
+from tracemem.zero3 import Zero3Gathers
 
 __all__ = ["RankEstimate", "Estimate", "estimate", "parse_bytes", "Segments", "ReplayPeak",
            "replay_schedule"]
@@ -155,9 +156,11 @@ class ReplayPeak:
 def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: int,
                 routing: RoutingModel, attention: str, experts: str, recompute: str,
                 recompute_modules: frozenset[str], deallocate: bool,
-                rounding: int | None) -> tuple[object, Segments]:
+                rounding: int | None, zero3_prefetch: bool = True) -> tuple[object, Segments]:
     model = build_rank(cfg, par, rank, attention=attention, experts=experts,
                        dtype=torch.bfloat16)
+    # ZeRO-3: every unit's all-gathers are traced events (tracemem.zero3)
+    gathers = Zero3Gathers(zero3_prefetch).install(model) if par.zero == 3 else None
     for module in model.modules():
         if isinstance(module, Block):
             module.set_recompute(recompute, recompute_modules)
@@ -184,6 +187,8 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
                 grad = None if last else recv_backward((b, local, cfg.hidden_size),
                                                        torch.bfloat16)
                 backward_from(output, grad)
+                if gathers is not None:
+                    gathers.end_backward()  # FSDP2's root final callback
                 del inputs, output, labels, grad  # the schedule drops them after backward
                 # Megatron adds each .grad into the fp32 main grad and drops it, so every
                 # microbatch's backward makes a fresh gradient, like the first one
@@ -257,7 +262,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
              attention: str = "flash", experts: str = "auto", routing: str = "balanced",
              seed: int = 0, rounding: int | None = 512, deallocate_pipeline_outputs: bool = True,
              hbm: str | None = None, progress: Callable[[str], None] | None = None,
-             **layout) -> Estimate:
+             zero3_prefetch: bool = True, **layout) -> Estimate:
     """Peak memory of every distinct rank.
 
     Args:
@@ -273,6 +278,8 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
         rounding: CUDA block rounding in bytes (512) or None for exact bytes.
         hbm: device memory, e.g. "80GiB", to say whether each rank fits.
         progress: called with a message before each rank class is traced.
+        zero3_prefetch: under ZeRO-3, FSDP2's implicit backward prefetch of the next unit
+            (``tracemem.zero3``; default on, as in FSDP2).
 
     Raises:
         TracememError: any invalid input, with the flag, the value and a fix.
@@ -313,11 +320,14 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                 cfg, par, rank, b=micro_batch_size, s=seq_length, routing=routing_model,
                 attention=attention, experts=experts, recompute=recompute,
                 recompute_modules=frozenset(recompute_modules),
-                deallocate=deallocate_pipeline_outputs, rounding=rounding)
+                deallocate=deallocate_pipeline_outputs, rounding=rounding,
+                zero3_prefetch=zero3_prefetch)
             cache[signature] = (static_memory(model_obj, par), segments)
         static, segments = cache[signature]
         steps = steps_by_rank[stage]
-        replayed = replay_schedule(steps, par.pp, segments, static.total_bytes)
+        # ZeRO-3 gathers are traced events, not the static line item
+        replayed = replay_schedule(steps, par.pp, segments,
+                                   static.total_bytes - static.zero3_gather_bytes)
         peak, at, inflight = replayed.peak_bytes, replayed.step_index, replayed.inflight
         live, modules = replayed.by_category, replayed.by_module
         results.append(RankEstimate(
@@ -330,7 +340,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
             activation_bytes=live.get("activation", 0),
             comm_buffer_bytes=live.get("comm_buffer", 0),
             temporary_bytes=live.get("temporary", 0), input_bytes=live.get("input", 0),
-            zero3_gather_bytes=static.zero3_gather_bytes, static=static,
+            zero3_gather_bytes=live.get("parameter", 0), static=static,
             by_module=dict(sorted(modules.items(), key=lambda kv: -kv[1])[:10]),
             largest=replayed.largest))
     settings = {"micro_batch_size": micro_batch_size, "seq_length": seq_length,
@@ -339,7 +349,8 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                 "recompute_modules": list(recompute_modules) if recompute == "selective"
                 else [], "attention": attention, "experts": experts, "routing": routing,
                 "seed": seed, "rounding": rounding or 0,
-                "deallocate_pipeline_outputs": deallocate_pipeline_outputs}
+                "deallocate_pipeline_outputs": deallocate_pipeline_outputs,
+                "zero3_prefetch": zero3_prefetch}
     return Estimate(cfg.name, par, settings, results, hbm_bytes)
 
 

@@ -7,8 +7,11 @@ only the bytes per element and the ZeRO divisors are conventions, each cited bel
 ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054): stage 1 shards optimizer states, stage 2 also
 gradients, stage 3 also parameters; which group shards each quantity (dense: DP x CP, expert:
 EDP) is the table ``tracemem.parallel.SHARDING``, each row cited to Megatron-Core.
-A sharded count is rounded up (ceil) to whole elements per rank. Under ZeRO-3 each layer is
-all-gathered before use; the largest layer's gathered parameters are a transient line item.
+A sharded count is rounded up (ceil) to whole elements per rank. Under ZeRO-3 each FSDP unit
+(decoder layer, MTP module, embedding, head; ``tracemem.zero3``) is all-gathered before use:
+``zero3_gather_bytes`` is the largest single unit's gathered parameters, the least a ZeRO-3 rank
+needs on top of its shards. ``tracemem.estimate`` does not add it: it traces every gather
+(before each unit's forward and backward, freed after) and the replay places them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import nn
 from modeling.parallel.plans import is_expert_param
 from modeling.params import count_by_component
 from tracemem.errors import TracememError
+from tracemem.zero3 import unit_params
 
 __all__ = ["Precision", "PRECISION_RECIPES", "StaticMemory", "static_memory"]
 
@@ -61,8 +65,9 @@ class StaticMemory:
         dense_params, expert_params: parameter elements held, by ZeRO group (DP x CP vs EDP).
         param_bytes, grad_bytes, optimizer_bytes: after ZeRO.
         buffer_bytes: persistent buffers (the router's correction bias), never sharded.
-        zero3_gather_bytes: ZeRO-3 only: the largest layer's parameters all-gathered
-            (param_bytes per element, this rank's TP/EP shard of that layer), else 0.
+        zero3_gather_bytes: ZeRO-3 only: the largest FSDP unit's parameters all-gathered
+            (param_bytes per element, this rank's TP/EP shard of that unit: a decoder layer,
+            MTP module, the embedding or the head; ``tracemem.zero3.zero3_units``), else 0.
         by_component: parameter elements held per component (``modeling.params.COMPONENTS``).
     """
 
@@ -113,10 +118,9 @@ def static_memory(model: nn.Module, par) -> StaticMemory:
                   if name in persistent)
     gather = 0
     if par.zero == 3:
-        layers = [m for name, m in model.named_modules() if name.count(".") == 1
-                  and name.split(".")[0] in ("layers", "mtp")]
         gather = recipe.param_bytes * max(
-            (sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
+            (sum(p.numel() for p in params) for params in unit_params(model).values()),
+            default=0)
     return StaticMemory(dense, expert, sharded(recipe.param_bytes, "parameters"),
                         sharded(recipe.grad_bytes, "gradients"),
                         sharded(recipe.optimizer_bytes, "optimizer_states"),
