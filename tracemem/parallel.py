@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from tracemem.errors import TracememError, divisors_hint
 
 __all__ = ["ParallelConfig", "PRECISIONS", "PLANS", "parse_layout", "ShardingRule", "SHARDING",
-           "GROUPS", "sharding_rule"]
+           "GROUPS", "sharding_rule", "format_layout", "suggest_layout", "suggest_ends"]
 
 PRECISIONS = ("megatron", "paper-2502.07846", "deepseek-v3")
 MAX_STAGES = 4096  # more virtual pipeline stages than any real job; bounds --pp-layout
@@ -293,57 +293,148 @@ def _layout(num_layers: int, stages: int, layout, first, last, vpp: int = 1
         if len(layout) != stages:
             raise TracememError(f"--pp-layout has {_count(len(layout), 'entry', 'entries')}; it "
                                 f"needs one per "
-                                f"virtual pipeline stage, pp * vpp = {stages}")
+                                f"virtual pipeline stage, pp * vpp = {stages}; try "
+                                f"{_layout_flags(num_layers, stages, vpp)}")
         if sum(layout) != num_layers:
             raise TracememError(f"--pp-layout sums to {_count(sum(layout), 'layer')}; the "
-                                f"model has {num_layers}")
+                                f"model has {num_layers}; try "
+                                f"{_layout_flags(num_layers, stages, vpp)}")
         return layout
     if stages > num_layers:
         raise TracememError(f"pp * vpp = {stages} stages is more than the model's {num_layers} "
-                            f"layers; lower --pp or --vpp")
+                            f"layers; lower --pp or --vpp so that pp * vpp <= {num_layers}")
     if first is not None or last is not None:
         return _ends_layout(num_layers, stages, first, last, vpp)
     if num_layers % stages:
         raise TracememError(
             f"{num_layers} layers do not divide into pp * vpp = {stages} stages; give "
-            f"--pp-layout (e.g. {_suggest(num_layers, stages)}) or --pp-first-stage-layers / "
-            f"--pp-last-stage-layers")
+            f"--pp-layout (e.g. {_suggest(num_layers, stages)})"
+            + (f" or --pp-first-stage-layers / --pp-last-stage-layers (e.g. "
+               f"{_ends_flags(num_layers, stages)})" if vpp == 1 else
+               " (--pp-first-stage-layers / --pp-last-stage-layers do not apply with --vpp > 1)"))
     return (num_layers // stages,) * stages
 
 
 def _ends_layout(num_layers: int, stages: int, first, last, vpp: int) -> tuple[int, ...]:
     """Megatron's uneven split (``get_num_layers_to_build``): the given ends, and the other
     stages share the remaining layers evenly."""
+    given = " / ".join(flag for flag, value in (("--pp-first-stage-layers", first),
+                                                ("--pp-last-stage-layers", last))
+                       if value is not None)
     if vpp > 1:
-        raise TracememError("--pp-first-stage-layers / --pp-last-stage-layers with --vpp > 1 "
-                            "are not supported; give --pp-layout with one entry per virtual "
-                            "stage")
+        verb = "is" if first is None or last is None else "are"
+        raise TracememError(f"{given} with --vpp > 1 {verb} not supported; give --pp-layout "
+                            f"with one entry per virtual stage instead, e.g. --pp-layout "
+                            f"{_suggest(num_layers, stages, first, last)}")
     if stages < 2:
         raise TracememError("--pp-first-stage-layers / --pp-last-stage-layers need --pp 2 or "
-                            "more")
+                            "more; drop them (one stage holds every layer) or raise --pp")
     for flag, value in (("--pp-first-stage-layers", first), ("--pp-last-stage-layers", last)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or not 0 <= value <= num_layers):
             raise TracememError(f"{flag} {value!r} must be between 0 and the model's "
-                                f"{num_layers} layers")
+                                f"{num_layers} layers; e.g. {_ends_flags(num_layers, stages)}")
     fixed = (first or 0) + (last or 0)
     others = stages - (first is not None) - (last is not None)
     rest = num_layers - fixed
     if rest < 0 or (others and rest % others) or (not others and rest):
-        raise TracememError(
-            f"--pp-first-stage-layers {first} and --pp-last-stage-layers {last} leave "
-            f"{_count(rest, 'layer')} for {_count(others, 'other stage')}, which do not divide "
-            f"evenly; adjust them or give --pp-layout")
+        given_values = " and ".join(f"{flag} {value}" for flag, value in (
+            ("--pp-first-stage-layers", first), ("--pp-last-stage-layers", last))
+            if value is not None)
+        leave = "leave" if first is not None and last is not None else "leaves"
+        problem = (f"add up to more than the model's {num_layers} layers" if rest < 0 else
+                   f"{leave} {_count(rest, 'layer')} for {_count(others, 'other stage')}, "
+                   f"which do not divide evenly" if others else
+                   f"{leave} {_count(rest, 'layer')} on no stage")
+        raise TracememError(f"{given_values} {problem}; try "
+                            f"{_ends_flags(num_layers, stages, first, last)} or --pp-layout "
+                            f"{_suggest(num_layers, stages, first, last)}")
     per = rest // others if others else 0
     return ((per if first is None else first), *[per] * (stages - 2),
             (per if last is None else last))
 
 
-def _suggest(num_layers: int, stages: int) -> str:
+def _suggest(num_layers: int, stages: int, first: int | None = None,
+             last: int | None = None) -> str:
+    """A ``--pp-layout`` for ``num_layers`` over ``stages`` (virtual) stages that
+    ``parse_layout`` and ``_layout`` accept: the given ends (when they fit) and the rest as even
+    as possible, ``4*15,1`` style when that fills every stage."""
+    return format_layout(suggest_layout(num_layers, stages, first, last))
+
+
+def suggest_layout(num_layers: int, stages: int, first: int | None = None,
+                   last: int | None = None) -> tuple[int, ...]:
+    """Layers per stage for ``num_layers`` over ``stages`` >= 1 stages, every entry >= 0 and
+    the sum ``num_layers``: ``first`` / ``last`` kept when they leave enough layers, the
+    others as even as possible (the larger ones first, so the last stage, which also holds
+    the head and loss, gets fewer)."""
+    ends = [value if _is_layers(value, num_layers) and stages > 1 else None
+            for value in (first, last)]
+    if sum(e or 0 for e in ends) > num_layers or (stages == 2 and None not in ends):
+        ends = [None, None]
+    middle = stages - sum(e is not None for e in ends)
+    rest = num_layers - sum(e or 0 for e in ends)
+    per = -(-rest // middle)
+    full, remainder = divmod(rest, per) if per else (middle, 0)
+    if full + (remainder > 0) == middle:
+        body = [per] * full + ([remainder] if remainder else [])
+    else:
+        low, high = divmod(rest, middle)
+        body = [low + 1] * high + [low] * (middle - high)
+    return tuple(([ends[0]] if ends[0] is not None else []) + body
+                 + ([ends[1]] if ends[1] is not None else []))
+
+
+def format_layout(layout: tuple[int, ...]) -> str:
+    """``(4, 4, 4, 1)`` -> ``"4*3,1"`` (the ``--pp-layout`` syntax of ``parse_layout``)."""
+    parts: list[list[int]] = []
+    for n in layout:
+        if parts and parts[-1][0] == n:
+            parts[-1][1] += 1
+        else:
+            parts.append([n, 1])
+    return ",".join(f"{n}*{k}" if k > 1 else str(n) for n, k in parts)
+
+
+def suggest_ends(num_layers: int, stages: int, first: int | None = None,
+                 last: int | None = None) -> tuple[int, int]:
+    """``(first, last)`` stage layers that ``_ends_layout`` accepts for 2 <= ``stages`` <=
+    ``num_layers``: the given ``last`` kept and the first stage fixed, else the given ``first``
+    kept, else middle stages of ceil(layers / stages) and what is left on the ends (61 layers
+    over 16 stages: 4 and 1, DeepSeek-V3's layout)."""
+    middle = stages - 2
+    if middle == 0:
+        for kept, flip in ((last, True), (first, False)):
+            if _is_layers(kept, num_layers):
+                pair = (num_layers - kept, kept)
+                return pair if flip else pair[::-1]
+        return num_layers - num_layers // 2, num_layers // 2
+    if _is_layers(last, num_layers):
+        return (num_layers - last) % middle, last
+    if _is_layers(first, num_layers):
+        return first, (num_layers - first) % middle
     per = -(-num_layers // stages)
-    full, rest = divmod(num_layers, per)
-    if full >= stages:
-        return f"{per}*{stages}"
-    tail = [rest] if rest else []
-    tail += [0] * (stages - full - len(tail))
-    return f"{per}*{full}" + "".join(f",{n}" for n in tail)
+    rest = num_layers - per * middle
+    if rest < 0:
+        per = num_layers // stages
+        rest = num_layers - per * middle
+    return min(per, rest), rest - min(per, rest)
+
+
+def _is_layers(value, num_layers: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= num_layers
+
+
+def _ends_flags(num_layers: int, stages: int, first: int | None = None,
+                last: int | None = None) -> str:
+    f, l = suggest_ends(num_layers, stages, first, last)
+    return f"--pp-first-stage-layers {f} --pp-last-stage-layers {l}"
+
+
+def _layout_flags(num_layers: int, stages: int, vpp: int) -> str:
+    flags = f"--pp-layout {_suggest(num_layers, stages)}"
+    if vpp == 1 and stages >= 2 and num_layers >= stages and num_layers % stages:
+        flags += f" or {_ends_flags(num_layers, stages)}"
+    elif not num_layers % stages:
+        flags += " or no layout flag (an even split)"
+    return flags
