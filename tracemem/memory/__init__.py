@@ -11,6 +11,8 @@ from tracemem.memory.allocator import (
 )
 from tracemem.memory.config import AllocatorConfig, parse_alloc_conf
 from tracemem.memory.snapshot import to_snapshot, write_snapshot
+from tracemem.memory.timeline import AllocatorReplay, MemoryTimeline
 
 __all__ = ["AllocatorConfig", "parse_alloc_conf", "CachingAllocatorSimulator", "AllocatorStats",
-           "simulate", "round_size", "get_allocation_size", "to_snapshot", "write_snapshot"]
+           "simulate", "round_size", "get_allocation_size", "to_snapshot", "write_snapshot",
+           "AllocatorReplay", "MemoryTimeline"]

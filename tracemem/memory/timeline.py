@@ -1,0 +1,105 @@
+"""A rank's replayed allocations and frees, driven through the caching-allocator simulator,
+kept as a per-event timeline (allocated by category, reserved, schedule steps) for reports,
+plots and snapshots.
+
+``AllocatorReplay`` takes events one at a time (``alloc`` / ``free`` / ``step``) so it can
+sit behind any replay loop; ``timeline()`` returns the ``MemoryTimeline``.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from tracemem.memory.allocator import AllocatorStats, CachingAllocatorSimulator
+from tracemem.memory.config import AllocatorConfig
+
+__all__ = ["AllocatorReplay", "MemoryTimeline"]
+
+
+@dataclass(frozen=True)
+class MemoryTimeline:
+    """Memory of one rank class after every replayed event, in bytes.
+
+    Attributes:
+        label: e.g. ``"stage 0"``.
+        allocated, reserved: ``torch.cuda.memory_allocated`` / ``memory_reserved`` after each
+            event (the simulator's series).
+        by_category: allocated bytes (whole blocks) per tracemem category after each event;
+            they sum to ``allocated``.
+        steps: ``(event index, label)`` where each schedule step's first event is; static
+            memory comes before the first step.
+        stats: the simulator's ``AllocatorStats``.
+    """
+
+    label: str
+    allocated: array
+    reserved: array
+    by_category: dict[str, array]
+    steps: list[tuple[int, str]]
+    stats: AllocatorStats = field(repr=False)
+
+
+class AllocatorReplay:
+    """Feeds ``alloc`` / ``free`` events to a ``CachingAllocatorSimulator`` and records the
+    per-category series.
+
+    An ``alloc`` of a key that is still live (a storage that grew with ``resize_``, which the
+    tracer reports as the new size allocated, then the old one freed) keeps the old block
+    under a shadow key until the next ``free`` of that key, which frees the old block first:
+    the new block is made before the old one is released, as the allocator sees it.
+    """
+
+    def __init__(self, config: AllocatorConfig | str | None = None, *,
+                 capacity: int | None = None, device_total: int | None = None,
+                 record_history: bool = False):
+        self.sim = CachingAllocatorSimulator(config, capacity=capacity,
+                                             device_total=device_total,
+                                             record_history=record_history)
+        self._category: dict[Hashable, str] = {}
+        self._shadow: dict[Hashable, list] = {}
+        self._current: dict[str, int] = {}
+        self._series: dict[str, array] = {}
+        self.steps: list[tuple[int, str]] = []
+
+    def step(self, label: str) -> None:
+        """Mark the start of a schedule step at the next event."""
+        self.steps.append((self.sim.events, label))
+
+    def alloc(self, key: Hashable, nbytes: int, category: str, module: str = "",
+              op: str | None = None) -> None:
+        sim = self.sim
+        if key in sim.live:
+            shadow = ("resized", key, len(self._shadow.setdefault(key, [])))
+            sim.live[shadow] = sim.live.pop(key)
+            self._category[shadow] = self._category.pop(key)
+            self._shadow[key].append(shadow)
+        sim.malloc(key, nbytes, {"module": module, "op": op, "category": category})
+        block = sim.live[key]
+        self._category[key] = category
+        self._add(category, block.size if block is not None else 0)
+
+    def free(self, key: Hashable) -> None:
+        shadows = self._shadow.get(key)
+        if shadows:
+            key = shadows.pop(0)
+            if not shadows:
+                del self._shadow[key[1]]
+        block = self.sim.live.get(key)
+        size = block.size if block is not None else 0
+        self.sim.free(key)
+        self._add(self._category.pop(key), -size)
+
+    def _add(self, category: str, delta: int) -> None:
+        if category not in self._series:
+            self._series[category] = array("q", bytes(8 * (self.sim.events - 1)))
+            self._current[category] = 0
+        self._current[category] += delta
+        for name, series in self._series.items():
+            series.append(self._current[name])
+
+    def timeline(self, label: str) -> MemoryTimeline:
+        stats = self.sim.stats()
+        return MemoryTimeline(label, stats.allocated, stats.reserved, dict(self._series),
+                              list(self.steps), stats)
