@@ -24,8 +24,10 @@ Conventions, each a line item:
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
+from typing import NamedTuple
 
 import torch
 
@@ -44,11 +46,11 @@ from tracemem.errors import TracememError
 from tracemem.parallel import ParallelConfig
 from tracemem.schedules import Step, schedule
 from tracemem.static import StaticMemory, static_memory
-from tracemem.tracer import MemoryTracer
+from tracemem.tracer import MemoryEvent, MemoryTracer
 from tracemem.zero3 import Zero3Gathers
 
 __all__ = ["RankEstimate", "Estimate", "estimate", "parse_bytes", "Segments", "ReplayPeak",
-           "replay_schedule"]
+           "replay_schedule", "replay_events", "ReplayedEvent", "segment_key"]
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
@@ -199,45 +201,102 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
     return model, segments
 
 
+class ReplayedEvent(NamedTuple):
+    """One allocation or free of a replay, in replay order (``replay_events``).
+
+    Attributes:
+        step_index: index in ``steps`` of the step running.
+        key: ``(virtual stage, microbatch, traced storage id)``: the replayed storage (each
+            microbatch has its own copy of every traced storage).
+        action: ``"alloc"`` or ``"free"``.
+        nbytes: bytes allocated or freed (>= 0).
+        event: the traced ``MemoryEvent`` that allocated the storage (for a free too).
+    """
+
+    step_index: int
+    key: tuple[int, int, int]
+    action: str
+    nbytes: int
+    event: MemoryEvent
+
+
+def segment_key(step: Step, pp: int) -> tuple[int, str, int]:
+    """The ``Segments`` key that schedule step ``step`` replays: (model chunk, kind,
+    microbatch 0 or 1). Virtual stage v is model chunk v // pp; microbatch 1 stands for every
+    later one."""
+    return (step.stage // pp, step.kind, min(step.microbatch, 1))
+
+
+def replay_events(steps: list[Step], pp: int, segments: Segments) -> Iterator[ReplayedEvent]:
+    """The allocations and frees of a rank's schedule ``steps`` replayed over its traced
+    ``segments``, in order, with O(1) work per traced event.
+
+    Each microbatch gets its own copy of every storage. A storage of category ``gradient`` is
+    a transient (it is added into a preallocated main-grad buffer and freed): its alloc is
+    followed at once by its free. A free of a storage the replay does not hold (one allocated
+    before the segment, e.g. an external) is dropped. A second alloc of a held storage
+    (``resize_``) replaces the held record.
+    """
+    live: dict[tuple[int, int, int], MemoryEvent] = {}
+    gradient = Category.GRADIENT
+    new = tuple.__new__  # ReplayedEvent(...) without its Python-level __new__: the hot path
+    for index, step in enumerate(steps):
+        stage, microbatch = step.stage, step.microbatch
+        for event in segments.events[segment_key(step, pp)]:
+            key = (stage, microbatch, event.storage_id)
+            if event.action == "free":
+                held = live.pop(key, None)
+                if held is not None:
+                    yield new(ReplayedEvent, (index, key, "free", held.nbytes, held))
+                continue
+            yield new(ReplayedEvent, (index, key, "alloc", event.nbytes, event))
+            if event.category is gradient:  # into the main grad
+                live.pop(key, None)
+                yield new(ReplayedEvent, (index, key, "free", event.nbytes, event))
+            else:
+                live[key] = event
+
+
 def replay_schedule(steps: list[Step], pp: int, segments: Segments,
                     base_bytes: int) -> ReplayPeak:
-    """Replay a rank's schedule ``steps`` over its traced ``segments`` on top of
-    ``base_bytes`` (static memory). Each microbatch gets its own copy of every storage; a
-    storage of category ``gradient`` is a transient (it is added into a preallocated main-grad
-    buffer and freed). Virtual stage v is model chunk v // pp."""
-    current = base_bytes
-    peak, peak_at, peak_live, inflight_at_peak = current, None, {}, 0
-    live: dict[tuple[int, int, int], tuple[int, object]] = {}
-    started = finished = 0
-    for index, step in enumerate(steps):
-        if step.kind == "F":
-            started += 1
-        for event in segments.events[(step.stage // pp, step.kind, min(step.microbatch, 1))]:
-            sid = (step.stage, step.microbatch, event.storage_id)
-            if event.action == "free":
-                if sid in live:
-                    current -= live.pop(sid)[0]
-                continue
-            transient = event.category is Category.GRADIENT  # into the main grad
-            live[sid] = (event.nbytes, event)
-            current += event.nbytes
+    """Replay a rank's schedule ``steps`` over its traced ``segments`` (``replay_events``) on
+    top of ``base_bytes`` (static memory): the peak, the step running there, the microbatch
+    forwards in flight and what is alive.
+
+    Linear in the events replayed: one pass finds the peak (the first event that reaches the
+    highest total), a second pass rebuilds the storages alive at that event, once.
+    """
+    current = peak = base_bytes
+    peak_at = peak_n = None
+    for n, (index, _, action, nbytes, _) in enumerate(replay_events(steps, pp, segments)):
+        if action == "alloc":
+            current += nbytes
             if current > peak:
-                peak, peak_at, inflight_at_peak = current, index, started - finished
-                peak_live = dict(live)
-            if transient:
-                current -= live.pop(sid)[0]
-        if step.kind == "B":
-            finished += 1
+                peak, peak_n, peak_at = current, n, index
+        else:
+            current -= nbytes
+    peak_live: dict[tuple[int, int, int], MemoryEvent] = {}
+    inflight_at_peak = 0
+    if peak_n is not None:
+        for _, key, action, _, event in islice(replay_events(steps, pp, segments), peak_n + 1):
+            if action == "alloc":
+                peak_live[key] = event
+            else:
+                peak_live.pop(key, None)
+        # forwards started (the running step included) minus backwards finished
+        inflight_at_peak = (sum(step.kind == "F" for step in steps[:peak_at + 1])
+                            - sum(step.kind == "B" for step in steps[:peak_at]))
     by_category: dict[str, int] = {}
     by_module: dict[str, int] = {}
-    for nbytes, event in peak_live.values():
+    for event in peak_live.values():
+        nbytes = event.nbytes
         by_category[event.category.value] = by_category.get(event.category.value, 0) + nbytes
         by_module[event.module] = by_module.get(event.module, 0) + nbytes
-    largest = [{"bytes": nbytes, "shape": list(event.shape),
+    largest = [{"bytes": event.nbytes, "shape": list(event.shape),
                 "dtype": str(event.dtype).removeprefix("torch."),
                 "category": event.category.value, "module": event.module,
-                "microbatch": sid[1]}
-               for sid, (nbytes, event) in sorted(peak_live.items(), key=lambda kv: -kv[1][0])[:8]]
+                "microbatch": key[1]}
+               for key, event in sorted(peak_live.items(), key=lambda kv: -kv[1].nbytes)[:8]]
     return ReplayPeak(peak, peak_at, inflight_at_peak, by_category, by_module, largest)
 
 

@@ -1,0 +1,108 @@
+"""The schedule replay (tracemem.estimator.replay_schedule / replay_events).
+
+Reference: the replay as it was before it became linear (issue 9 item 7), kept here verbatim
+as ``quadratic_replay``: it copied the live set at every new peak. The linear replay must give
+the same peak, step, in-flight count and live storages on real traced segments of
+deepseek-tiny under every schedule. Hand arithmetic for the event stream's invariants.
+"""
+
+import pytest
+
+from modeling.config import load_config
+from tracemem.categories import Category
+from tracemem.estimator import (
+    ReplayPeak,
+    _trace_rank,
+    replay_events,
+    replay_schedule,
+)
+from tracemem.parallel import ParallelConfig
+from modeling.routing import parse_routing
+from tracemem.schedules import schedule
+
+
+def quadratic_replay(steps, pp, segments, base_bytes):
+    """The replay before issue 9 item 7 (commit 883570b), verbatim but for the output."""
+    current = base_bytes
+    peak, peak_at, peak_live, inflight_at_peak = current, None, {}, 0
+    live = {}
+    started = finished = 0
+    for index, step in enumerate(steps):
+        if step.kind == "F":
+            started += 1
+        for event in segments.events[(step.stage // pp, step.kind, min(step.microbatch, 1))]:
+            sid = (step.stage, step.microbatch, event.storage_id)
+            if event.action == "free":
+                if sid in live:
+                    current -= live.pop(sid)[0]
+                continue
+            transient = event.category is Category.GRADIENT
+            live[sid] = (event.nbytes, event)
+            current += event.nbytes
+            if current > peak:
+                peak, peak_at, inflight_at_peak = current, index, started - finished
+                peak_live = dict(live)
+            if transient:
+                current -= live.pop(sid)[0]
+        if step.kind == "B":
+            finished += 1
+    return peak, peak_at, inflight_at_peak, {k: v[1] for k, v in peak_live.items()}
+
+
+def traced(pp, vpp, recompute="none", routing="balanced"):
+    cfg = load_config("deepseek-tiny")
+    layout = None if vpp == 1 else (1,) * (pp * vpp)
+    par = ParallelConfig.create(cfg, world_size=pp * 2, tp=2, sp=True, pp=pp, vpp=vpp,
+                                pp_layout=layout)
+    _, segments = _trace_rank(cfg, par, 0, b=1, s=16, routing=parse_routing(routing),
+                              attention="flash", experts="sequential", recompute=recompute,
+                              recompute_modules=frozenset(), deallocate=True, rounding=512)
+    return segments
+
+
+@pytest.mark.parametrize("name, pp, vpp, m, base", [
+    ("gpipe", 2, 1, 5, 0), ("1f1b", 2, 1, 6, 1000), ("1f1b", 2, 1, 1, 0),
+    ("interleaved-1f1b", 2, 2, 4, 7),
+])
+def test_linear_replay_equals_the_quadratic_one(name, pp, vpp, m, base):
+    segments = traced(pp, vpp)
+    for steps in schedule(name, pp, vpp, m):
+        peak, at, inflight, live = quadratic_replay(steps, pp, segments, base)
+        new = replay_schedule(steps, pp, segments, base)
+        assert (new.peak_bytes, new.step_index, new.inflight) == (peak, at, inflight)
+        by_category = {}
+        for event in live.values():
+            by_category[event.category.value] = \
+                by_category.get(event.category.value, 0) + event.nbytes
+        assert new.by_category == by_category
+        assert sum(new.by_module.values()) == sum(e.nbytes for e in live.values())
+        assert [d["bytes"] for d in new.largest] == \
+            sorted((e.nbytes for e in live.values()), reverse=True)[:8]
+
+
+def test_event_stream_balances_and_gradients_are_transient():
+    segments = traced(2, 1)
+    steps = schedule("1f1b", 2, 1, 3)[0]
+    stream = list(replay_events(steps, 2, segments))
+    held, total, peak = {}, 0, 0
+    for replayed in stream:
+        if replayed.action == "alloc":
+            assert replayed.key not in held
+            held[replayed.key] = replayed.nbytes
+            total += replayed.nbytes
+            peak = max(peak, total)
+        else:
+            total -= held.pop(replayed.key)  # every free is of a held storage, same bytes
+    # a gradient's alloc is followed at once by its free (added into the main grad)
+    for a, b in zip(stream, stream[1:]):
+        if a.action == "alloc" and a.event.category is Category.GRADIENT:
+            assert (b.action, b.key) == ("free", a.key)
+    assert replay_schedule(steps, 2, segments, 0).peak_bytes == peak
+    # steps are replayed in order
+    assert [r.step_index for r in stream] == sorted(r.step_index for r in stream)
+
+
+def test_static_memory_alone_is_a_peak_before_any_step():
+    segments = traced(2, 1)
+    result = replay_schedule([], 2, segments, 123)
+    assert result == ReplayPeak(123, None, 0, {}, {}, [])
