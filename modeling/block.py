@@ -8,9 +8,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from modeling.config import ModelConfig
+from modeling.kernels import KernelProfile, get_profile
 from modeling.mla import MLA
 from modeling.mlp import MLP
 from modeling.moe import MoE
+from modeling.norm import RMSNorm
 from modeling.parallel.plans import LocalSizes
 from modeling.routing import RoutingModel
 from tracemem.errors import TracememError
@@ -26,25 +28,30 @@ RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "mlp", "moe")
 
 class Block(nn.Module):
     """Decoder layer ``layer_id`` (0-based, global: it decides dense vs MoE and the routing
-    model's per-layer counts), with the local ``sizes`` of one rank (default unsharded).
+    model's per-layer counts), with the local ``sizes`` of one rank (default unsharded) and
+    the ``kernels`` profile (``modeling.kernels``; default eager). Under ``megatron-te`` the
+    dense layers fuse the pre-MLP RMSNorm into fc1 (Megatron-Core's TE spec: ``pre_mlp_layernorm``
+    is ``IdentityOp`` for dense layers, megatron/core/models/gpt/gpt_layer_specs.py).
     Input and output ``(b, s, h)``."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig, attention: str = "flash",
-                 experts: str = "grouped", sizes: LocalSizes | None = None):
+                 experts: str = "grouped", sizes: LocalSizes | None = None,
+                 kernels: KernelProfile | None = None):
         super().__init__()
         sizes = sizes or LocalSizes.full(cfg)
+        self.kernels = kernels = kernels or get_profile("eager")
         self.layer_id = layer_id
         self.recompute, self.recompute_modules = "none", frozenset()
-        self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, kernels=kernels)
         self.attn = MLA(cfg, attention, sizes.num_heads, sizes.replicate_q_rope, sizes.sp,
-                        sizes.cp)
-        self.ffn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+                        sizes.cp, kernels)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, kernels=kernels)
         if cfg.is_moe_layer(layer_id):
             self.ffn = MoE(cfg, experts, sizes.expert_ids, layer_id, sizes.expert_inter,
                            sizes.shared_inter, sizes.ep, sizes.etp,
-                           shared_sp=sizes.sp if sizes.shared_split else 1)
+                           shared_sp=sizes.sp if sizes.shared_split else 1, kernels=kernels)
         else:
-            self.ffn = MLP(cfg.hidden_size, sizes.dense_inter, sizes.sp)
+            self.ffn = MLP(cfg.hidden_size, sizes.dense_inter, sizes.sp, kernels)
 
     def set_recompute(self, recompute: str, modules: frozenset[str] = frozenset()) -> None:
         """``"none"``; ``"full"``: the whole layer is recomputed in backward (Megatron's
@@ -72,6 +79,11 @@ class Block(nn.Module):
 
     def _forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
         x = x + self.attn(self._norm(self.attn_norm, x))
+        if self.kernels.orchestration == "megatron" and not isinstance(self.ffn, MoE):
+            run = lambda x: self.ffn(x, self.ffn_norm)  # noqa: E731  (norm fused into fc1)
+            if "mlp" in self.recompute_modules:
+                return x + checkpoint(run, x, use_reentrant=False)
+            return x + run(x)
         h = self._norm(self.ffn_norm, x)
         if isinstance(self.ffn, MoE):
             run = lambda h: self.ffn(h, routing)  # noqa: E731

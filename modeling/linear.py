@@ -1,4 +1,5 @@
-"""``Linear``: ``nn.Linear`` without its value initialisation.
+"""``Linear``: ``nn.Linear`` without its value initialisation, whose forward runs the kernel
+profile's linear.
 
 Model ``__init__`` sets shapes only (tracemem's STYLE: values, when needed, come from a separate
 initialisation); skipping ``reset_parameters`` also makes building DeepSeek-V3 with one Linear per
@@ -7,17 +8,35 @@ expert (44,544 expert Linears) several times faster on the meta device.
 
 from __future__ import annotations
 
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 __all__ = ["Linear"]
 
 
 class Linear(nn.Linear):
     """``nn.Linear(in_features, out_features, bias=False)`` whose weight is left uninitialised
-    (``torch.empty``). Input ``(..., in_features)``, output ``(..., out_features)``."""
+    (``torch.empty``). Input ``(..., in_features)``, output ``(..., out_features)``.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    ``kernels`` (a ``modeling.kernels`` profile, or None for ``F.linear``): under a Megatron
+    profile ``forward(x, mode, sp, norm, fused)`` is a TE linear (``modeling.kernels.linear``):
+    ``mode`` "duplicated" / "column" / "row" with sequence-parallel degree ``sp``, ``norm`` an
+    RMSNorm fused in front (TE ``LayerNormLinear``), ``fused`` further ``Linear`` s whose
+    weights are concatenated to this one's output (Megatron's one ``linear_fc1`` for w1 and
+    w3). Other profiles run ``F.linear`` on ``x`` and take no extra arguments.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 kernels=None):
         super().__init__(in_features, out_features, bias=bias)
+        self.kernels = kernels
 
     def reset_parameters(self) -> None:
         """Values are not set here; see the module docstring."""
+
+    def forward(self, x: Tensor, mode: str = "duplicated", sp: int = 1,
+                norm: nn.Module | None = None, fused: tuple[Linear, ...] = ()) -> Tensor:
+        if self.kernels is not None and self.kernels.orchestration == "megatron":
+            weights = [self.weight, *(f.weight for f in fused)]
+            return self.kernels.linear(x, weights, mode, sp, norm)
+        return F.linear(x, self.weight, self.bias)

@@ -13,7 +13,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from modeling.config import ModelConfig
+from modeling.kernels import KernelProfile, get_profile
 from modeling.linear import Linear
+from modeling.norm import RMSNorm
 from modeling.parallel.collectives import all_gather, reduce_scatter
 from tracemem.errors import TracememError
 
@@ -58,16 +60,32 @@ class MLA(nn.Module):
             at full length, "2bs(d_cq + d_c) undivided by SP"). With CP, K and V are
             all-gathered across the CP group before attention.
 
+        kernels: the ``modeling.kernels`` profile. Under ``megatron-te`` the forward is
+            Megatron-Core's ``MLASelfAttention`` (megatron/core/transformer/
+            multi_latent_attention.py ``get_query_key_value_tensors``, Megatron-LM d98e8a6):
+            TE down projections on the local tokens, q / kv norms fused into the up
+            projections (``TELayerNormColumnParallelLinear``, which save the local input and
+            re-gather in backward), the RoPE key gathered along the sequence, unfused RoPE,
+            contiguous q / k / v into TE's fused attention, a row-parallel ``linear_proj``.
+
     Raises:
-        TracememError: unknown ``attention``.
+        TracememError: unknown ``attention``; ``eager`` attention or the replicated query
+            RoPE projection with a profile that has neither.
     """
 
     def __init__(self, cfg: ModelConfig, attention: str = "flash", num_heads: int | None = None,
-                 replicate_q_rope: bool = False, sp: int = 1, cp: int = 1):
+                 replicate_q_rope: bool = False, sp: int = 1, cp: int = 1,
+                 kernels: KernelProfile | None = None):
         super().__init__()
         if attention not in ATTENTION_KERNELS:
             raise TracememError(f"--attention {attention!r} is invalid; choose one of "
                                 f"{', '.join(ATTENTION_KERNELS)}")
+        self.kernels = kernels or get_profile("eager")
+        if self.kernels.orchestration == "megatron" and (attention == "eager"
+                                                         or replicate_q_rope):
+            raise TracememError(
+                f"--kernels {self.kernels.name} runs TE's fused attention and Megatron's MLA "
+                f"layout: --attention eager and --plan paper-2502.07846 need --kernels eager")
         self.attention = attention
         self.sp, self.cp = sp, cp
         self.recompute: frozenset[str] = frozenset()  # set by Block: "core_attn", "mla_up_proj"
@@ -79,25 +97,28 @@ class MLA(nn.Module):
         h, n = cfg.hidden_size, self.num_heads
         self.replicate_q_rope = replicate_q_rope
         q_head = self.nope_dim if replicate_q_rope else self.qk_head_dim
+        kern = self.kernels
         if cfg.q_lora_rank is None:
-            self.wq = Linear(h, n * q_head, bias=False)
+            self.wq = Linear(h, n * q_head, bias=False, kernels=kern)
         else:
-            self.wq_a = Linear(h, cfg.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps)
-            self.wq_b = Linear(cfg.q_lora_rank, n * q_head, bias=False)
+            self.wq_a = Linear(h, cfg.q_lora_rank, bias=False, kernels=kern)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, kernels=kern)
+            self.wq_b = Linear(cfg.q_lora_rank, n * q_head, bias=False, kernels=kern)
         if replicate_q_rope:
             self.wq_r = Linear(cfg.q_lora_rank or h, cfg.num_attention_heads * self.rope_dim,
                                bias=False)
-        self.wkv_a = Linear(h, self.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=cfg.rms_norm_eps)
+        self.wkv_a = Linear(h, self.kv_lora_rank + self.rope_dim, bias=False, kernels=kern)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, eps=cfg.rms_norm_eps, kernels=kern)
         self.wkv_b = Linear(self.kv_lora_rank, n * (self.nope_dim + self.v_head_dim),
-                               bias=False)
-        self.wo = Linear(n * self.v_head_dim, h, bias=False)
+                            bias=False, kernels=kern)
+        self.wo = Linear(n * self.v_head_dim, h, bias=False, kernels=kern)
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, self.rope_dim, 2, dtype=torch.float32)
                                       / self.rope_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (d_r / 2,)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernels.orchestration == "megatron":
+            return self._forward_megatron(x)
         # Down projections run on this rank's tokens; their outputs are all-gathered along the
         # sequence (SP) before the column-parallel up projections, as in Megatron-Core's MLA.
         q_in = x if hasattr(self, "wq") else self.q_norm(self.wq_a(x))
@@ -136,11 +157,48 @@ class MLA(nn.Module):
         return out.transpose(1, 2).reshape(b, s, -1)  # (b, s / cp, n_local * v_head_dim)
 
     def _core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if self.attention == "eager":
-            scores = (q @ k.transpose(-2, -1)) * self.scale  # (b, n_h, s / cp, s)
-            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool,
-                              device=q.device).triu(1)
-            probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)
-            return probs.to(v.dtype) @ v  # (b, n_h, s / cp, v_head_dim)
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, True, scale=self.scale)[0]
+        # (b, n_h, s / cp, d) in, (b, n_h, s / cp, v_head_dim) out
+        return self.kernels.core_attention(q, k, v, self.scale, self.attention)
+
+    # ------------------------------------------------------------------ Megatron-Core's MLA
+    def _forward_megatron(self, x: Tensor) -> Tensor:
+        if hasattr(self, "wq"):  # no q LoRA: linear_q_proj is column-parallel on x
+            q_compressed = x
+        else:  # linear_q_down_proj: duplicated TELinear, (b, s_local, q_lora_rank)
+            q_compressed = self.wq_a(x)
+        kv_combined = self.wkv_a(x)  # (b, s_local, kv_lora + d_r)
+        kv_compressed, k_pos_emb = kv_combined.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        # gather_from_sequence_parallel_region (a contiguous input for the collective)
+        k_pos_emb = all_gather(k_pos_emb.contiguous() if self.sp > 1 else k_pos_emb, self.sp,
+                               dim=1)  # (b, s / cp, d_r)
+        if "mla_up_proj" in self.recompute:
+            out = checkpoint(self._up_proj_megatron, q_compressed, kv_compressed, k_pos_emb,
+                             use_reentrant=False)
+        else:
+            out = self._up_proj_megatron(q_compressed, kv_compressed, k_pos_emb)
+        return self.wo(out, "row", self.sp)  # (b, s_local, h)
+
+    def _up_proj_megatron(self, q_compressed: Tensor, kv_compressed: Tensor,
+                          k_pos_emb: Tensor) -> Tensor:
+        k, sp = self.kernels, self.sp
+        if hasattr(self, "wq"):
+            q = self.wq(q_compressed, "column", sp)
+        else:  # TELayerNormColumnParallelLinear: q_norm fused
+            q = self.wq_b(q_compressed, "column", sp, self.q_norm)
+        b, s, _ = q.shape
+        q = q.view(b, s, -1, self.qk_head_dim)  # (b, s / cp, n_local, qk_head_dim)
+        kv = self.wkv_b(kv_compressed, "column", sp, self.kv_norm)
+        kv = kv.view(b, s, -1, self.nope_dim + self.v_head_dim)
+        q_no_pe, q_pos_emb = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        k_no_pe, value = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
+        q_pos_emb = k.rope(q_pos_emb, self.inv_freq)
+        k_pos_emb = k.rope(k_pos_emb.unsqueeze(-2), self.inv_freq)  # (b, s, 1, d_r)
+        query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
+        key = torch.cat([k_no_pe, k_pos_emb.expand(-1, -1, q.shape[2], -1)], dim=-1)
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        # CP: every rank needs all keys and values (all-gather variant of context parallelism)
+        key, value = all_gather(key, self.cp, dim=1), all_gather(value, self.cp, dim=1)
+        if "core_attn" in self.recompute:
+            return checkpoint(k.core_attention, query, key, value, self.scale, self.attention,
+                              use_reentrant=False)
+        return k.core_attention(query, key, value, self.scale, self.attention)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from modeling.kernels import KernelProfile, get_profile
 from modeling.linear import Linear
 from modeling.parallel.collectives import all_gather, reduce_scatter
 
@@ -16,15 +17,41 @@ class MLP(nn.Module):
     """Args: ``dim`` (h), ``inter_dim`` (hidden width held), ``sp`` (sequence-parallel degree:
     with ``sp`` > 1 the input ``(b, s / sp, h)`` is all-gathered along the sequence before w1 /
     w3 and the output reduce-scattered after w2, as Megatron's column- / row-parallel linears
-    do). Input and output ``(b, s_local, h)`` or ``(tokens, h)`` (``sp`` 1)."""
+    do), ``kernels`` (a ``modeling.kernels`` profile), ``shared_overlap`` (Megatron's shared
+    experts with ``--moe-shared-expert-overlap``: the sequence is gathered outside the
+    linears, which then save the gathered input; megatron/core/transformer/moe/
+    shared_experts.py ``SharedExpertMLP.__init__`` sets ``parallel_mode = None``). Input and
+    output ``(b, s_local, h)`` or ``(tokens, h)`` (``sp`` 1).
 
-    def __init__(self, dim: int, inter_dim: int, sp: int = 1):
+    Under ``megatron-te`` the forward is Megatron-Core's ``MLP`` (megatron/core/transformer/
+    mlp.py): one fused ``linear_fc1`` over [w1; w3] (output ``(..., 2 * inter)``), the fused
+    SwiGLU, ``linear_fc2``; ``norm`` fuses the pre-MLP RMSNorm into fc1 (the dense layers'
+    ``TELayerNormColumnParallelLinear``)."""
+
+    def __init__(self, dim: int, inter_dim: int, sp: int = 1,
+                 kernels: KernelProfile | None = None, shared_overlap: bool = False):
         super().__init__()
         self.sp = sp
-        self.w1 = Linear(dim, inter_dim, bias=False)  # gate projection
-        self.w2 = Linear(inter_dim, dim, bias=False)  # down projection
-        self.w3 = Linear(dim, inter_dim, bias=False)  # up projection
+        self.kernels = kernels or get_profile("eager")
+        self.shared_overlap = shared_overlap
+        kern = self.kernels
+        self.w1 = Linear(dim, inter_dim, bias=False, kernels=kern)  # gate projection
+        self.w2 = Linear(inter_dim, dim, bias=False, kernels=kern)  # down projection
+        self.w3 = Linear(dim, inter_dim, bias=False, kernels=kern)  # up projection
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, norm: nn.RMSNorm | None = None) -> Tensor:
+        if self.kernels.orchestration == "megatron":
+            return self._forward_megatron(x, norm)
+        if norm is not None:
+            x = norm(x)
         x = all_gather(x, self.sp, dim=1)
         return reduce_scatter(self.w2(F.silu(self.w1(x)) * self.w3(x)), self.sp, dim=1)
+
+    def _forward_megatron(self, x: Tensor, norm: nn.RMSNorm | None) -> Tensor:
+        swiglu = self.kernels.swiglu
+        if self.shared_overlap:  # pre_forward_comm gathers; the linears do no TP comm
+            x = all_gather(x, self.sp, dim=1)
+            out = self.w2(swiglu(self.w1(x, fused=(self.w3,))))  # fc1 = [w1; w3], fc2
+            return reduce_scatter(out, self.sp, dim=1)  # post_forward_comm
+        fc1 = self.w1(x, "column", self.sp, norm, fused=(self.w3,))  # (b, s, 2 * inter)
+        return self.w2(swiglu(fc1), "row", self.sp)

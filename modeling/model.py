@@ -10,7 +10,9 @@ from torch import Tensor, nn
 
 from modeling.block import Block
 from modeling.config import ModelConfig
+from modeling.kernels import KernelProfile, get_profile
 from modeling.linear import Linear
+from modeling.norm import RMSNorm
 from modeling.parallel.collectives import all_gather, reduce_scatter
 from modeling.parallel.plans import LocalSizes
 from modeling.routing import RoutingModel
@@ -30,15 +32,16 @@ class MTPModule(nn.Module):
     ``shared_head.norm``); the embedding and output head are the main model's."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig, attention: str, experts: str,
-                 sizes: LocalSizes):
+                 sizes: LocalSizes, kernels: KernelProfile | None = None):
         super().__init__()
         self.sizes = sizes
-        h = cfg.hidden_size
-        self.enorm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
-        self.hnorm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
-        self.eh_proj = Linear(2 * h, sizes.eh_proj_out, bias=False)
-        self.block = Block(layer_id, cfg, attention, experts, sizes)
-        self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.kernels = kernels = kernels or get_profile("eager")
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(h, eps=eps, kernels=kernels)
+        self.hnorm = RMSNorm(h, eps=eps, kernels=kernels)
+        self.eh_proj = Linear(2 * h, sizes.eh_proj_out, bias=False, kernels=kernels)
+        self.block = Block(layer_id, cfg, attention, experts, sizes, kernels)
+        self.norm = RMSNorm(h, eps=eps, kernels=kernels)
 
     def forward(self, hidden: Tensor, embedded: Tensor, routing: RoutingModel) -> Tensor:
         """``hidden``, ``embedded``: this rank's tokens ``(b, s_local, h)``."""
@@ -46,7 +49,10 @@ class MTPModule(nn.Module):
         x = torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1)  # (b, s_local, 2h)
         # column-parallel eh_proj (Megatron-Core multi_token_prediction.py): gather the
         # sequence, project to h / tp, gather the hidden dimension, split the sequence again
-        x = all_gather(self.eh_proj(all_gather(x, sp, dim=1)), tp, dim=-1)
+        if self.kernels.orchestration == "megatron":  # TE column-parallel: saves local input
+            x = all_gather(self.eh_proj(x, "column", sp), tp, dim=-1)
+        else:
+            x = all_gather(self.eh_proj(all_gather(x, sp, dim=1)), tp, dim=-1)
         return self.norm(self.block(reduce_scatter(x, sp, dim=1), routing))
 
 
@@ -57,6 +63,7 @@ class Transformer(nn.Module):
     Args:
         cfg: sizes.
         attention: ``"flash"`` or ``"eager"`` (``modeling.mla.MLA``).
+        kernels: a ``modeling.kernels`` profile (default eager).
         experts: ``"grouped"`` or ``"sequential"`` (``modeling.moe.MoE``).
         sizes: local module sizes (``modeling.parallel.plans.LocalSizes``); default unsharded.
         chunks: the global layer numbers of each model chunk held (one chunk without virtual
@@ -71,24 +78,26 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, attention: str = "flash", experts: str = "grouped",
                  sizes: LocalSizes | None = None, chunks: list[list[int]] | None = None,
-                 pre_process: bool = True, post_process: bool = True):
+                 pre_process: bool = True, post_process: bool = True,
+                 kernels: KernelProfile | None = None):
         super().__init__()
         sizes = sizes or LocalSizes.full(cfg)
+        self.kernels = kernels = kernels or get_profile("eager")
         self.cfg, self.sizes = cfg, sizes
         self.chunks = chunks if chunks is not None else [list(range(cfg.num_layers))]
         self.pre_process, self.post_process = pre_process, post_process
         has_mtp = post_process and cfg.num_mtp_modules > 0
         self.embed = (nn.Embedding(sizes.vocab, cfg.hidden_size)
                       if pre_process or has_mtp else None)
-        self.layers = nn.ModuleDict({str(i): Block(i, cfg, attention, experts, sizes)
+        self.layers = nn.ModuleDict({str(i): Block(i, cfg, attention, experts, sizes, kernels)
                                      for chunk in self.chunks for i in chunk})
         if post_process:
-            self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-            self.head = Linear(cfg.hidden_size, sizes.vocab, bias=False)
+            self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, kernels=kernels)
+            self.head = Linear(cfg.hidden_size, sizes.vocab, bias=False, kernels=kernels)
             if cfg.tie_word_embeddings and self.embed is not None:
                 self.head.weight = self.embed.weight
             self.mtp = nn.ModuleDict({
-                str(i): MTPModule(cfg.num_layers + i, cfg, attention, experts, sizes)
+                str(i): MTPModule(cfg.num_layers + i, cfg, attention, experts, sizes, kernels)
                 for i in range(cfg.num_mtp_modules)})
 
     def _embed(self, tokens: Tensor) -> Tensor:
@@ -97,9 +106,12 @@ class Transformer(nn.Module):
         return reduce_scatter(self.embed(tokens), self.sizes.sp, dim=1)  # (b, s_local, h)
 
     def _loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        hidden = all_gather(hidden, self.sizes.sp, dim=1)  # column-parallel head: full sequence
-        logits = self.head(hidden)  # (b, s / cp, vocab held)
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        if self.kernels.orchestration == "megatron":  # output_layer gathers inside
+            logits = self.head(hidden, "column", self.sizes.sp)  # (b, s / cp, vocab held)
+        else:
+            hidden = all_gather(hidden, self.sizes.sp, dim=1)  # column-parallel head
+            logits = self.head(hidden)  # (b, s / cp, vocab held)
+        return self.kernels.loss(logits, labels, self.sizes.tp)
 
     def forward(self, inputs: Tensor, labels: Tensor, routing: RoutingModel,
                 chunk: int = 0) -> Tensor:
@@ -123,18 +135,23 @@ class Transformer(nn.Module):
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta", *,
                 attention: str = "flash", experts: str = "auto",
-                dtype: torch.dtype | None = None) -> Transformer:
+                dtype: torch.dtype | None = None,
+                kernels: str | KernelProfile = "eager") -> Transformer:
     """``Transformer(cfg)`` built directly on ``device``, its parameters in ``dtype`` (default
     the config's ``torch_dtype``); buffers (the router's correction bias, RoPE frequencies)
     stay float32, as in DeepSeek-V3's reference model. ``experts="auto"`` is "grouped" for
-    bfloat16 parameters and "sequential" otherwise (see ``resolve_experts``).
+    bfloat16 parameters and "sequential" otherwise (see ``resolve_experts``). ``kernels``: a
+    ``modeling.kernels`` profile or its name (default "eager", the kernels that run for real
+    on a CPU).
 
     Raises:
-        TracememError: ``experts="grouped"`` with parameters that are not bfloat16.
+        TracememError: ``experts="grouped"`` with parameters that are not bfloat16; an
+            unknown kernel profile.
     """
     dtype = dtype or getattr(torch, cfg.dtype)
+    profile = get_profile(kernels)
     with torch.device(device):
-        model = Transformer(cfg, attention, resolve_experts(experts, dtype))
+        model = Transformer(cfg, attention, resolve_experts(experts, dtype), kernels=profile)
     cast_parameters(model, dtype)
     return model
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from modeling.config import ModelConfig
+from modeling.kernels import KernelProfile, get_profile
 from modeling.mlp import MLP
 from modeling.parallel.collectives import all_gather, all_to_all, reduce_scatter
 from modeling.routing import RoutingModel
@@ -42,9 +43,12 @@ class Gate(nn.Module):
             self.register_buffer("e_score_correction_bias",
                                  torch.zeros(cfg.num_routed_experts, dtype=torch.float32))
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, kernels: KernelProfile | None = None) -> tuple[Tensor, Tensor]:
         cfg = self.cfg
-        logits = F.linear(x, self.weight)  # (T, E)
+        if kernels is not None and kernels.orchestration == "megatron":
+            logits = kernels.router_logits(x, self.weight)  # (T, E) fp32
+        else:
+            logits = F.linear(x, self.weight)  # (T, E)
         if cfg.scoring_func == "sigmoid":
             scores = logits.sigmoid()
         else:
@@ -65,6 +69,8 @@ class Gate(nn.Module):
         weights = original.gather(1, ids)
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if kernels is not None and kernels.orchestration == "megatron":
+            return weights * cfg.routed_scaling_factor, ids  # Megatron keeps probs in fp32
         return (weights * cfg.routed_scaling_factor).type_as(x), ids
 
 
@@ -73,17 +79,34 @@ class GroupedExperts(nn.Module):
     (``torch._grouped_mm``; torchtitan's ``GroupedExperts``). Input ``(sum(counts), h)``
     sorted by expert."""
 
-    def __init__(self, num_experts: int, dim: int, inter_dim: int):
+    def __init__(self, num_experts: int, dim: int, inter_dim: int,
+                 kernels: KernelProfile | None = None):
         super().__init__()
+        self.kernels = kernels
         self.w1 = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
 
-    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+    def forward(self, x: Tensor, counts: list[int], probs: Tensor | None = None) -> Tensor:
+        """``x`` ``(rows, h)`` sorted by expert, ``counts`` rows per local expert; under a
+        Megatron profile ``probs`` ``(rows, 1)`` fp32 are applied in the weighted SwiGLU
+        (TE ``GroupedLinear`` fc1 over [w1; w3], fc2)."""
+        if self.kernels is not None and self.kernels.orchestration == "megatron":
+            return _megatron_experts(self.kernels, x, probs, [self.w1, self.w3], [self.w2])
         offsets = torch.tensor(_cumsum(counts), dtype=torch.int32, device=x.device)
         h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets))
         h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
         return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
+
+
+def _megatron_experts(k: KernelProfile, x: Tensor, probs: Tensor, fc1: list[Tensor],
+                      fc2: list[Tensor]) -> Tensor:
+    """Megatron-Core's ``TEGroupedMLP.forward`` (megatron/core/transformer/moe/experts.py):
+    grouped fc1 ``(rows, 2 * inter)``, weighted SwiGLU ``(rows, inter)``, grouped fc2
+    ``(rows, h)``."""
+    inter, h = fc2[0].shape[-1], fc2[0].shape[-2]
+    hidden = k.grouped_linear(x, fc1, 2 * inter)
+    return k.grouped_linear(k.weighted_swiglu(hidden, probs), fc2, h)
 
 
 def _cumsum(counts: list[int]) -> list[int]:
@@ -115,6 +138,15 @@ class MoE(nn.Module):
             reduce-scattered after.
         shared_sp: the shared experts' sequence-parallel degree (they are TP-split and gather
             the sequence), 1 when they are replicated.
+        kernels: the ``modeling.kernels`` profile. Under ``megatron-te`` the forward is
+            Megatron-Core's ``MoELayer`` with the alltoall dispatcher (megatron/core/
+            transformer/moe/moe_layer.py, token_dispatcher.py ``MoEAlltoAllTokenDispatcher``,
+            experts.py ``TEGroupedMLP``, Megatron-LM d98e8a6): fp32 router logits, dense
+            probabilities scattered from the top-k, TE's fused permute, all-to-all of tokens
+            and probabilities, chunk sort, grouped fc1, weighted SwiGLU (the probabilities
+            applied there), grouped fc2, chunk unsort, all-to-all, unpermute; the shared
+            experts as ``SharedExpertMLP`` (with ``moe_shared_expert_overlap`` as the profile
+            says).
 
     The input is this rank's tokens ``(b, s_local, h)`` (sequence-parallel: the router and the
     dispatch see local tokens only, as Megatron-Core's MoE layer does).
@@ -128,8 +160,10 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, experts: str = "grouped",
                  expert_ids: range | None = None, layer_id: int = 0,
                  expert_inter: int | None = None, shared_inter: int | None = None,
-                 ep: int = 1, etp: int = 1, shared_sp: int = 1):
+                 ep: int = 1, etp: int = 1, shared_sp: int = 1,
+                 kernels: KernelProfile | None = None):
         super().__init__()
+        self.kernels = kernels or get_profile("eager")
         if experts not in EXPERT_KERNELS:
             raise TracememError(f"--experts {experts!r} is invalid; choose one of "
                                 f"{', '.join(EXPERT_KERNELS)}")
@@ -143,12 +177,17 @@ class MoE(nn.Module):
             if shared_inter is None else shared_inter
         self.gate = Gate(cfg)
         if experts == "grouped":
-            self.experts = GroupedExperts(n, h, inter)
+            self.experts = GroupedExperts(n, h, inter, self.kernels)
         else:
             self.experts = nn.ModuleList(MLP(h, inter) for _ in range(n))
-        self.shared_experts = MLP(h, shared, shared_sp) if shared else None
+        overlap = (self.kernels.orchestration == "megatron"
+                   and self.kernels.options["moe_shared_expert_overlap"])
+        self.shared_experts = (MLP(h, shared, shared_sp, self.kernels, overlap)
+                               if shared else None)
 
     def forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
+        if self.kernels.orchestration == "megatron":
+            return self._forward_megatron(x, routing)
         shape = x.shape
         x = x.view(-1, shape[-1])  # (T, h)
         k = self.cfg.num_experts_per_tok
@@ -178,6 +217,54 @@ class MoE(nn.Module):
             routed_out = all_to_all(routed_out, order.shape[0])
         routed_out = routed_out * weights.view(-1).index_select(0, order).unsqueeze(-1)
         y = torch.zeros_like(x).index_add(0, token, routed_out).view(shape)  # combine
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x.view(shape))
+        return y
+
+    def _local_counts(self, x: Tensor, ids: Tensor, routing: RoutingModel) -> list[int]:
+        """Token-slots each local expert computes (after EP / ETP), from the routing model."""
+        all_counts = routing.counts(x.shape[0], self.cfg.num_experts_per_tok,
+                                    self.cfg.num_routed_experts, self.layer_id, expert_ids=ids)
+        return [all_counts[e] * self.ep * self.etp for e in self.expert_ids]
+
+
+    def _forward_megatron(self, x: Tensor, routing: RoutingModel) -> Tensor:
+        k, cfg = self.kernels, self.cfg
+        shape = x.shape
+        x = x.view(-1, shape[-1])  # (T, h)
+        tokens, top_k = x.shape[0], cfg.num_experts_per_tok
+        weights, ids = self.gate(x, k)  # (T, k) each
+        # topk_routing_with_score_function: dense probabilities and routing map (T, E)
+        probs = torch.zeros((tokens, cfg.num_routed_experts), dtype=torch.float32,
+                            device=x.device).scatter(1, ids, weights.float())
+        rows = sum(self._local_counts(x, ids, routing))  # token-slots this rank's experts get
+        slots = tokens * top_k if self.ep > 1 or len(self.expert_ids) == cfg.num_routed_experts \
+            else rows
+        permuted, permuted_probs, row_id_map = k.permute(x, probs, slots)  # (slots, h)
+        if self.ep > 1:  # token_dispatch: all-to-all of the tokens and of their probabilities
+            permuted = all_to_all(permuted, rows // self.etp)
+            permuted_probs = all_to_all(permuted_probs, rows // self.etp)
+        if self.etp > 1:  # dispatch_postprocess: gather over the expert-TP group
+            permuted = all_gather(permuted, self.etp, dim=0)
+            permuted_probs = all_gather(permuted_probs, self.etp, dim=0)
+        several = len(self.expert_ids) > 1
+        if several:  # sort the received chunks by local expert
+            permuted, permuted_probs = k.sort_chunks(permuted, permuted_probs)
+        probs_col = permuted_probs.unsqueeze(-1)  # (rows, 1)
+        if isinstance(self.experts, GroupedExperts):
+            out = self.experts(permuted, [], probs_col)  # (rows, h)
+        else:  # one Linear per expert: the same TE GroupedLinear over their weights
+            out = _megatron_experts(k, permuted, probs_col,
+                                    [w for e in self.experts for w in (e.w1.weight,
+                                                                        e.w3.weight)],
+                                    [e.w2.weight for e in self.experts])
+        if self.etp > 1:
+            out = reduce_scatter(out, self.etp, dim=0)
+        if several:  # combine_preprocess: unsort
+            out, _ = k.sort_chunks(out)
+        if self.ep > 1:  # token_combine
+            out = all_to_all(out, slots)
+        y = k.unpermute(out, row_id_map, tokens).view(shape)  # (b, s_local, h)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x.view(shape))
         return y

@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
                       help="attention kernel: flash keeps output and logsumexp, eager the s x s "
                            "scores (default %(default)s)")
+    _add_kernel_flags(step)
     step.add_argument("--experts", choices=("auto",) + EXPERT_KERNELS, default="auto",
                       help="expert kernel: one grouped GEMM or one Linear per expert "
                            "(default auto: grouped for bf16)")
@@ -161,6 +162,34 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a case to run (repeatable; default: all)")
     validate.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
     return parser
+
+
+def _add_kernel_flags(group, default: str = "megatron-te") -> None:
+    """``--kernels`` and the megatron-te options (``modeling.kernels.MEGATRON_TE_OPTIONS``)."""
+    from modeling.kernels import KERNEL_PROFILES
+    from modeling.kernels.loss import TE_CROSS_ENTROPY_VERSIONS
+
+    group.add_argument("--kernels", choices=KERNEL_PROFILES, default=default,
+                       help="which stack's kernels to trace: megatron-te (Megatron-Core + "
+                            "Transformer Engine), torch (torchtitan's torch-native fused "
+                            "kernels) or eager (tracemem's modules, proven against real CPU "
+                            "runs) (default %(default)s; docs/kernels.md)")
+    group.add_argument("--te-version", choices=TE_CROSS_ENTROPY_VERSIONS, default=None,
+                       help="megatron-te: the Transformer Engine release whose cross-entropy "
+                            "gradient to trace: 2.18 (and later) keeps an fp32 gradient, 2.17 "
+                            "(and earlier) writes it into the bf16 logits (default 2.18)")
+    group.add_argument("--no-moe-shared-expert-overlap", dest="shared_expert_overlap",
+                       action="store_false", default=None,
+                       help="megatron-te: shared experts without Megatron's "
+                            "--moe-shared-expert-overlap (their linears then save the local "
+                            "input instead of the gathered one)")
+
+
+def _kernel_options(args: argparse.Namespace) -> dict:
+    """The set megatron-te options (unset ones keep the profile's defaults)."""
+    options = {"te_version": args.te_version,
+               "moe_shared_expert_overlap": args.shared_expert_overlap}
+    return {key: value for key, value in options.items() if value is not None}
 
 
 def _add_model_flag(parser: argparse.ArgumentParser) -> None:
@@ -299,7 +328,7 @@ def _run_estimate(args: argparse.Namespace) -> str:
         experts=args.experts, routing=args.routing, seed=args.seed,
         rounding=args.rounding or None, deallocate_pipeline_outputs=args.deallocate,
         hbm=args.hbm, progress=progress, zero3_prefetch=args.zero3_prefetch,
-        **_layout_kwargs(args))
+        kernels=args.kernels, kernel_options=_kernel_options(args), **_layout_kwargs(args))
     if progress:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     return format_estimate_json(result) if args.json else format_estimate(result)

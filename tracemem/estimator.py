@@ -33,6 +33,7 @@ import torch
 
 from modeling.block import Block
 from modeling.config import ModelConfig, load_config
+from modeling.kernels import KernelProfile, get_profile
 from modeling.parallel.build import build_rank, coordinates
 from modeling.parallel.pp import (
     backward_from,
@@ -158,9 +159,10 @@ class ReplayPeak:
 def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: int,
                 routing: RoutingModel, attention: str, experts: str, recompute: str,
                 recompute_modules: frozenset[str], deallocate: bool,
-                rounding: int | None, zero3_prefetch: bool = True) -> tuple[object, Segments]:
+                rounding: int | None, kernels: KernelProfile,
+                zero3_prefetch: bool = True) -> tuple[object, Segments]:
     model = build_rank(cfg, par, rank, attention=attention, experts=experts,
-                       dtype=torch.bfloat16)
+                       dtype=torch.bfloat16, kernels=kernels)
     # ZeRO-3: every unit's all-gathers are traced events (tracemem.zero3)
     gathers = Zero3Gathers(zero3_prefetch).install(model) if par.zero == 3 else None
     for module in model.modules():
@@ -321,7 +323,8 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
              attention: str = "flash", experts: str = "auto", routing: str = "balanced",
              seed: int = 0, rounding: int | None = 512, deallocate_pipeline_outputs: bool = True,
              hbm: str | None = None, progress: Callable[[str], None] | None = None,
-             zero3_prefetch: bool = True, **layout) -> Estimate:
+             zero3_prefetch: bool = True, kernels: str = "megatron-te",
+             kernel_options: dict | None = None, **layout) -> Estimate:
     """Peak memory of every distinct rank.
 
     Args:
@@ -333,6 +336,9 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
         schedule_name: ``tracemem.schedules.SCHEDULES``.
         recompute, recompute_modules: ``modeling.block.Block.set_recompute``.
         attention, experts: kernels (``modeling.mla``, ``modeling.moe``).
+        kernels, kernel_options: the kernel profile (``modeling.kernels.KERNEL_PROFILES``:
+            "megatron-te", the default, "torch" or "eager") and its options
+            (``modeling.kernels.MEGATRON_TE_OPTIONS``).
         routing, seed: a routing model spec (``modeling.routing.parse_routing``).
         rounding: CUDA block rounding in bytes (512) or None for exact bytes.
         hbm: device memory, e.g. "80GiB", to say whether each rank fits.
@@ -358,6 +364,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
         raise TracememError(f"--seq-length {seq_length} must be a multiple of cp * sp = "
                             f"{split} (the sequence is split across them)")
     hbm_bytes = parse_bytes(hbm) if hbm else None
+    profile = get_profile(kernels, **(kernel_options or {}))
     routing_model = parse_routing(routing, seed)
     steps_by_rank = schedule(schedule_name, par.pp, par.vpp, num_microbatches)
     tokens = micro_batch_size * seq_length // split
@@ -380,7 +387,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                 attention=attention, experts=experts, recompute=recompute,
                 recompute_modules=frozenset(recompute_modules),
                 deallocate=deallocate_pipeline_outputs, rounding=rounding,
-                zero3_prefetch=zero3_prefetch)
+                zero3_prefetch=zero3_prefetch, kernels=profile)
             cache[signature] = (static_memory(model_obj, par), segments)
         static, segments = cache[signature]
         steps = steps_by_rank[stage]
@@ -407,7 +414,8 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                 "recompute": recompute,
                 "recompute_modules": list(recompute_modules) if recompute == "selective"
                 else [], "attention": attention, "experts": experts, "routing": routing,
-                "seed": seed, "rounding": rounding or 0,
+                "seed": seed, "rounding": rounding or 0, "kernels": profile.name,
+                "kernel_options": dict(profile.options),
                 "deallocate_pipeline_outputs": deallocate_pipeline_outputs,
                 "zero3_prefetch": zero3_prefetch}
     return Estimate(cfg.name, par, settings, results, hbm_bytes)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from modeling.config import ModelConfig
+from modeling.kernels import KernelProfile, get_profile
 from modeling.model import Transformer, cast_parameters, resolve_experts
 from modeling.parallel.plans import local_sizes
 
@@ -47,12 +48,14 @@ def coordinates(par, rank: int) -> RankCoordinates:
 
 def build_rank(model_cfg: ModelConfig, par, rank: int, *, attention: str = "flash",
                experts: str = "auto", device: str | torch.device = "meta",
-               dtype: torch.dtype | None = None) -> Transformer:
+               dtype: torch.dtype | None = None,
+               kernels: str | KernelProfile = "eager") -> Transformer:
     """The part of the model that global rank ``rank`` holds under ``par`` (a validated
     ``tracemem.ParallelConfig``): the layers of its pipeline stage (one chunk per virtual
     stage, global layer numbers kept in module paths), the embedding on the first stage, the
     final norm, head, loss and MTP modules on the last, every module at this rank's shard
-    shapes under ``par.plan`` (``modeling.parallel.plans``).
+    shapes under ``par.plan`` (``modeling.parallel.plans``), running the ``kernels`` profile
+    (``modeling.kernels``; default "eager").
 
     Raises:
         TracememError: rank outside [0, world_size); "grouped" experts with parameters that are
@@ -65,6 +68,7 @@ def build_rank(model_cfg: ModelConfig, par, rank: int, *, attention: str = "flas
     with torch.device(device):
         model = Transformer(model_cfg, attention, resolve_experts(experts, dtype), sizes, chunks,
                             pre_process=where.pp_rank == 0,
-                            post_process=where.pp_rank == par.pp - 1)
+                            post_process=where.pp_rank == par.pp - 1,
+                            kernels=get_profile(kernels))
     cast_parameters(model, dtype)
     return model

@@ -54,8 +54,8 @@ def test_full_recompute_drops_activations():
 
 
 def test_eager_attention_holds_the_s_by_s_scores():
-    eager = estimate("deepseek-tiny", attention="eager", rounding=None, **TINY)
-    flash = estimate("deepseek-tiny", attention="flash", rounding=None, **TINY)
+    eager = estimate("deepseek-tiny", attention="eager", kernels="eager", rounding=None, **TINY)
+    flash = estimate("deepseek-tiny", attention="flash", kernels="eager", rounding=None, **TINY)
     scores = [2, 4 // 2, 64, 64]  # (b, n_h / TP, s, s)
     assert any(s["shape"] == scores for s in eager.ranks[0].largest)
     assert not any(s["shape"] == scores for s in flash.ranks[0].largest)
@@ -63,8 +63,8 @@ def test_eager_attention_holds_the_s_by_s_scores():
 
 
 def test_selective_recompute_of_core_attention_drops_the_scores():
-    none = estimate("deepseek-tiny", attention="eager", rounding=None, **TINY)
-    selective = estimate("deepseek-tiny", attention="eager", rounding=None,
+    none = estimate("deepseek-tiny", attention="eager", kernels="eager", rounding=None, **TINY)
+    selective = estimate("deepseek-tiny", attention="eager", kernels="eager", rounding=None,
                          recompute="selective", recompute_modules=("core_attn",), **TINY)
     scores = [2, 2, 64, 64]
     assert not any(s["shape"] == scores and s["category"] == "activation"

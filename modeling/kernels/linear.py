@@ -1,0 +1,105 @@
+"""Transformer Engine linear layers with their tensor- and sequence-parallel communication:
+``Linear`` (duplicated, column- or row-parallel) and ``LayerNormLinear`` (an RMSNorm fused
+in front of a column-parallel linear).
+
+Mirrors TransformerEngine d0067d0 (2.20.0.dev0), ``transformer_engine/pytorch/module/linear.py``
+``_Linear.forward`` / ``backward`` and ``module/layernorm_linear.py`` ``_LayerNormLinear``:
+
+- forward, column-parallel with sequence parallelism: the local input ``(b, s / sp, in)`` is
+  all-gathered into a buffer ``(b, s, in)`` for the GEMM and that buffer is freed after it
+  (``clear_tensor_data(inputmat_total)``); only the *local* input is saved
+  (``backward_input_needs_gather``). Row-parallel: the GEMM output ``(b, s, out)`` is
+  reduce-scattered to ``(b, s / sp, out)``; the input is saved.
+- ``LayerNormLinear``: the norm's input (a contiguous copy when the caller passes a view that
+  is not contiguous: ``inputmat = inp.view(...)`` needs one), its output ``ln_out`` (local) and
+  the fp32 rstd are saved; ``ln_out`` is all-gathered for the GEMM and re-gathered in backward.
+- backward: the input is re-gathered for the weight gradient (launched before the dgrad GEMM),
+  the dgrad GEMM output ``(b, s, in)`` is reduce-scattered (column) and freed; row-parallel
+  gathers the output gradient first and frees it after the wgrad GEMM. With Megatron's
+  ``--gradient-accumulation-fusion`` (its default with TE) the weight gradient is written into
+  the fp32 ``main_grad`` (no allocation; TE's cached dummy wgrad is not counted: see
+  docs/kernels.md), else a weight gradient in the weight's dtype is allocated.
+
+Several weights give one output of their summed widths, as Megatron's fused ``linear_fc1``
+(gate and up projections in one ``(2f, h)`` weight) does. All shapes here are this rank's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from modeling.parallel.collectives import _gather, _scatter
+
+__all__ = ["te_linear"]
+
+_MODES = ("duplicated", "column", "row")
+
+
+class _TELinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, mode: str, sp: int, norm_weight: Tensor | None,
+                fuse_wgrad: bool, *weights: Tensor) -> Tensor:
+        ctx.mode, ctx.sp, ctx.fuse_wgrad = mode, sp, fuse_wgrad
+        ctx.has_norm = norm_weight is not None
+        out_features = sum(w.shape[0] for w in weights)
+        if norm_weight is not None:  # LayerNormLinear: rmsnorm_fwd, then the GEMM on ln_out
+            x = x.contiguous()
+            ln_out = torch.empty_like(x)
+            rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+            gemm_in = ln_out
+            ctx.save_for_backward(x, ln_out, rstd, norm_weight, *weights)
+        else:
+            gemm_in = x
+            ctx.save_for_backward(x, *weights)
+        gathered = mode == "column" and sp > 1
+        total = _gather(gemm_in, sp, 1) if gathered else gemm_in  # (b, s, in)
+        out = total.new_empty((*total.shape[:-1], out_features))
+        del total  # the gathered input is freed after the GEMM
+        if mode == "row" and sp > 1:
+            out = _scatter(out, sp, 1)  # (b, s / sp, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if ctx.has_norm:
+            x, ln_out, _rstd, norm_weight, *weights = ctx.saved_tensors
+            gemm_in = ln_out
+        else:
+            x, *weights = ctx.saved_tensors
+            gemm_in = x
+        mode, sp = ctx.mode, ctx.sp
+        grad_total = _gather(grad, sp, 1) if mode == "row" and sp > 1 else grad
+        in_total = _gather(gemm_in, sp, 1) if mode == "column" and sp > 1 else gemm_in
+        dgrad = grad_total.new_empty((*grad_total.shape[:-1], weights[0].shape[1]))
+        if mode == "column" and sp > 1:
+            dgrad = _scatter(dgrad, sp, 1)  # reduce-scatter; the GEMM output is freed
+        wgrads = [None if ctx.fuse_wgrad else torch.empty_like(w) for w in weights]
+        del in_total, grad_total  # after the wgrad GEMM
+        if not ctx.has_norm:
+            return (dgrad, None, None, None, None, *wgrads)
+        dx = torch.empty_like(x)  # rmsnorm_bwd(dgrad, inputmat, rsigma, ln_weight)
+        del dgrad
+        return (dx, None, None, torch.empty_like(norm_weight), None, *wgrads)
+
+
+def te_linear(x: Tensor, weights: list[Tensor], mode: str = "duplicated", sp: int = 1,
+              norm: nn.RMSNorm | None = None, fuse_wgrad: bool = True) -> Tensor:
+    """A TE linear on this rank's ``x`` ``(b, s_local, in)``.
+
+    Args:
+        weights: ``(out_i, in)`` each; the output is ``(..., sum(out_i))``.
+        mode: ``"duplicated"`` (replicated weight, no communication: MLA's down
+            projections), ``"column"`` (with ``sp`` > 1 the input is all-gathered along the
+            sequence: output ``(b, s, out)``) or ``"row"`` (with ``sp`` > 1 the output is
+            reduce-scattered: ``(b, s / sp, out)``).
+        norm: an ``nn.RMSNorm`` fused in front (TE ``LayerNormLinear``), or None.
+        fuse_wgrad: Megatron's ``--gradient-accumulation-fusion``.
+
+    Raises:
+        ValueError: unknown mode (an internal error: modules pass constants).
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mode {mode!r} not in {_MODES}")
+    return _TELinear.apply(x, mode, sp, None if norm is None else norm.weight, fuse_wgrad,
+                           *weights)

@@ -1,0 +1,153 @@
+"""``KernelProfile``: the kernels one training stack runs, as one object the model holds.
+
+A profile has an ``orchestration``, the op order its framework runs around the kernels:
+``"eager"`` (tracemem's own modules: ``modeling.mla``, ``mlp``, ``moe``) or ``"megatron"``
+(Megatron-Core's ``MLASelfAttention``, ``MLP`` / ``SharedExpertMLP``, ``MoELayer`` with the
+alltoall dispatcher, at Megatron-LM d98e8a6), and the kernels themselves (``norm``,
+``core_attention``, ``loss``, and for Megatron the TE linears, RoPE, SwiGLU and MoE token
+kernels in this package).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from modeling.kernels import attention, linear, loss, moe, norm, rope, router, swiglu
+from tracemem.errors import TracememError
+
+__all__ = ["KERNEL_PROFILES", "MEGATRON_TE_OPTIONS", "KernelProfile", "EagerKernels",
+           "TorchKernels", "MegatronTEKernels", "get_profile"]
+
+KERNEL_PROFILES = ("megatron-te", "torch", "eager")
+
+# megatron-te options: name -> (allowed values, default, what selects it)
+MEGATRON_TE_OPTIONS = {
+    "te_version": (loss.TE_CROSS_ENTROPY_VERSIONS, "2.18",
+                   "TE release: >= 2.18 keeps an fp32 cross-entropy gradient, <= 2.17 writes "
+                   "it into the bf16 logits"),
+    "gradient_accumulation_fusion": ((True, False), True,
+                                     "Megatron --gradient-accumulation-fusion (default on with "
+                                     "TE): weight gradients go straight into main_grad"),
+    "moe_shared_expert_overlap": ((True, False), True,
+                                  "Megatron --moe-shared-expert-overlap: the shared experts "
+                                  "save their gathered input"),
+}
+
+
+class KernelProfile:
+    """Base: the eager kernels. Subclasses override what their stack runs differently."""
+
+    name = "eager"
+    orchestration = "eager"
+
+    def __init__(self, **options):
+        self.options = options
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.options})"
+
+    def rms_norm(self, module: nn.RMSNorm, x: Tensor) -> Tensor:
+        """RMSNorm of ``x`` ``(..., h)`` with ``module``'s weight and eps (``modeling.norm``
+        calls it from its forward)."""
+        return nn.RMSNorm.forward(module, x)
+
+    def core_attention(self, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                       kind: str) -> Tensor:
+        """``kind`` "eager" or "flash" on ``(b, n, s, d)`` tensors."""
+        if kind == "eager":
+            return attention.eager_attention(q, k, v, scale)
+        return attention.sdpa_attention(q, k, v, scale)
+
+    def loss(self, logits: Tensor, labels: Tensor, tp: int) -> Tensor:
+        """Mean token loss of this rank's ``(b, s, V / TP)`` logits."""
+        return loss.eager_cross_entropy(logits, labels)
+
+
+class EagerKernels(KernelProfile):
+    """tracemem's eager PyTorch modules (byte-exact against real CPU execution)."""
+
+
+class TorchKernels(KernelProfile):
+    """torchtitan's torch-native fused kernels in the eager orchestration: fused RMSNorm,
+    SDPA's fused attention, ``torch._grouped_mm``, ``F.cross_entropy`` on fp32 logits."""
+
+    name = "torch"
+
+    def rms_norm(self, module, x):
+        return norm.fused_rms_norm(module, x)
+
+
+class MegatronTEKernels(KernelProfile):
+    """Megatron-Core + Transformer Engine 2.x in bf16 (options: ``MEGATRON_TE_OPTIONS``)."""
+
+    name = "megatron-te"
+    orchestration = "megatron"
+
+    @property
+    def fuse_wgrad(self) -> bool:
+        return self.options["gradient_accumulation_fusion"]
+
+    def rms_norm(self, module, x):
+        return norm.te_rms_norm(module, x)
+
+    def core_attention(self, q, k, v, scale, kind):
+        """TE fused attention on ``(b, s, n, d)`` tensors; returns ``(b, s, n * d_v)``."""
+        return attention.te_fused_attention(q, k, v)
+
+    def linear(self, x, weights, mode="duplicated", sp=1, norm_module=None):
+        return linear.te_linear(x, weights, mode, sp, norm_module, self.fuse_wgrad)
+
+    def rope(self, t, inv_freq):
+        return rope.megatron_rope(t, inv_freq)
+
+    def swiglu(self, y):
+        return swiglu.fused_swiglu(y)
+
+    def weighted_swiglu(self, y, probs):
+        return swiglu.fused_weighted_swiglu(y, probs)
+
+    def router_logits(self, x, weight):
+        return router.router_gating_linear(x, weight)
+
+    def permute(self, x, probs, slots):
+        return moe.te_permute(x, probs, slots)
+
+    def sort_chunks(self, x, probs=None):
+        return moe.te_sort_chunks(x, probs)
+
+    def unpermute(self, x, row_id_map, tokens):
+        return moe.te_unpermute(x, row_id_map, tokens)
+
+    def grouped_linear(self, x, weights, out_features):
+        return moe.te_grouped_linear(x, weights, out_features, self.fuse_wgrad)
+
+    def loss(self, logits, labels, tp):
+        return loss.te_cross_entropy(logits, labels, tp, self.options["te_version"])
+
+
+_CLASSES = {"eager": EagerKernels, "torch": TorchKernels, "megatron-te": MegatronTEKernels}
+
+
+def get_profile(name: str | KernelProfile = "megatron-te", **options) -> KernelProfile:
+    """The profile ``name`` (``KERNEL_PROFILES``) with ``options`` (megatron-te only:
+    ``MEGATRON_TE_OPTIONS``; unset ones take their defaults). A profile passes through.
+
+    Raises:
+        TracememError: unknown profile, option or option value.
+    """
+    if isinstance(name, KernelProfile):
+        return name
+    if name not in _CLASSES:
+        raise TracememError(f"--kernels {name!r} is invalid; choose one of "
+                            f"{', '.join(KERNEL_PROFILES)}")
+    known = MEGATRON_TE_OPTIONS if name == "megatron-te" else {}
+    for key, value in options.items():
+        if key not in known:
+            raise TracememError(f"kernel option {key!r} does not apply to --kernels {name}"
+                                + (f"; options: {', '.join(known)}" if known else ""))
+        allowed = known[key][0]
+        if value not in allowed or type(value) is not type(allowed[0]):
+            raise TracememError(f"kernel option {key}={value!r} is invalid; choose one of "
+                                f"{', '.join(map(str, allowed))}")
+    full = {key: options.get(key, spec[1]) for key, spec in known.items()}
+    return _CLASSES[name](**full)
