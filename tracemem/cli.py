@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser(
         "validate", help="run the validation cases for real on CPU under torch.profiler and "
-                         "traced on meta, and print both peaks")
+                         "traced on meta, a loop of 3 steps each, and print both peaks and "
+                         "whether the same storages are alive after every step")
     validate.add_argument("--case", action="append", choices=[c.name for c in CASES],
                           help="a case to run (repeatable; default: all)")
     validate.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
@@ -429,7 +430,16 @@ def _run_validate(args: argparse.Namespace) -> str:
         return json.dumps([{"case": c.case.name, "real_peak_bytes": c.real_peak_bytes,
                             "traced_peak_bytes": c.traced_peak_bytes,
                             "unseen_bytes": c.case.unseen_bytes,
-                            "unseen_cause": c.case.unseen_cause} for c in comparisons], indent=2)
+                            "unseen_cause": c.case.unseen_cause,
+                            "live_sets_equal": c.live_sets_equal,
+                            "steps": [{"real_peak_bytes": s.real.peak_bytes,
+                                       "traced_peak_bytes": s.traced_peak_bytes,
+                                       "real_end_bytes": s.real.end_bytes,
+                                       "traced_end_bytes": s.traced_end_bytes,
+                                       "real_live_storages": len(s.real.live),
+                                       "traced_live_storages": len(s.traced_live),
+                                       "live_sets_equal": s.live_sets_equal}
+                                      for s in c.steps]} for c in comparisons], indent=2)
     notes = [f"- {c.case.name}: {c.case.unseen_cause}" for c in comparisons if c.case.unseen_cause]
     heading = ["", "Allocations below the dispatcher, by case:"] if notes else []
     return "\n".join([format_comparisons(comparisons), *heading, *notes])

@@ -3,7 +3,10 @@ for real under the profiler) and on the meta device (to trace).
 
 Each case covers one thing a tracer can get wrong: views sharing a storage, in-place ops,
 tensors saved for backward, recompute, custom autograd Functions, optimizer states, gradient
-accumulation, buffers updated under ``no_grad``, out= resizing, MoE dispatch by index.
+accumulation, buffers updated under ``no_grad``, out= resizing, MoE dispatch by index, a saved
+output whose backward Node never runs, ``retain_graph``, tensor and module hooks, a training loop
+with ``zero_grad``. Every case is run as a loop of several steps (``compare.STEPS``), so a
+storage that outlives its step in one run and not the other shows.
 ``Case.unseen_bytes`` is what the real peak holds that the tracer cannot see (allocations below
 the dispatcher), derived by hand; ``Case.unseen_cause`` names it.
 """
@@ -42,6 +45,9 @@ class Case:
         unseen_bytes: bytes in the real CPU peak that are allocated below the dispatcher and so
             invisible to the tracer (0 when the tracer must match to the byte).
         unseen_cause: the allocations behind ``unseen_bytes``.
+        unseen_bytes_later, unseen_cause_later: the same for the second and later steps of
+            a loop, whose peak can fall elsewhere (gradients and optimizer states then exist
+            already); ``None`` = as for the first step.
     """
 
     name: str
@@ -49,6 +55,14 @@ class Case:
     description: str
     unseen_bytes: int = 0
     unseen_cause: str = ""
+    unseen_bytes_later: int | None = None
+    unseen_cause_later: str = ""
+
+    def unseen_bytes_at(self, step: int) -> int:
+        """``unseen_bytes`` for step 0 of a loop, ``unseen_bytes_later`` (if set) after."""
+        if step == 0 or self.unseen_bytes_later is None:
+            return self.unseen_bytes
+        return self.unseen_bytes_later
 
 
 _WRAPPED_SCALAR = ("a Python scalar passed as a tensor argument is wrapped in a CPU float64 or int64 tensor "
@@ -275,6 +289,73 @@ class TinyLM(nn.Module):
         return self.output(F.silu(self.hidden(self.norm(self.embed(tokens)))))
 
 
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek-V2's router (softmax scores, group-limited greedy top-k: groups ranked by
+    their best score, ``modeling.moe.Gate``) on its own. ``amax`` saves its output for
+    backward, but that output only feeds ``topk``'s indices, so ``AmaxBackward0`` never runs:
+    the saved output must die with the graph."""
+
+    def __init__(self, dim: int, num_experts: int, num_groups: int, topk_group: int, top_k: int):
+        super().__init__()
+        self.num_groups, self.topk_group, self.top_k = num_groups, topk_group, top_k
+        self.weight = nn.Parameter(torch.randn(num_experts, dim) / math.sqrt(dim))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        scores = F.linear(x, self.weight).softmax(dim=-1)  # (T, E)
+        grouped = scores.view(x.shape[0], self.num_groups, -1)  # (T, G, E / G)
+        keep = grouped.amax(dim=-1).topk(self.topk_group, dim=-1)[1]  # (T, topk_group)
+        mask = torch.ones(x.shape[0], self.num_groups, dtype=torch.bool,
+                          device=x.device).scatter_(1, keep, False)
+        masked = grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(1)
+        ids = masked.topk(self.top_k, dim=-1)[1]  # (T, k)
+        return scores.gather(1, ids), ids
+
+
+class RoutedMLP(nn.Module):
+    """A group-limited router weighting one MLP per token by its top-k weight sum."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gate = GroupLimitedRouter(dim, num_experts=8, num_groups=4, topk_group=2, top_k=2)
+        self.mlp = MLP((dim, 2 * dim, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, _ids = self.gate(x)  # (T, 2); the ids would pick experts
+        return self.mlp(x) * weights.sum(dim=-1, keepdim=True)
+
+
+class HookedMLP(MLP):
+    """An MLP with the hooks training code attaches: a forward hook keeping a statistic of a
+    layer's output until the next step, a full backward hook on a layer (autograd Functions
+    wrapped around the module), a tensor hook replacing a gradient (clamped) and a
+    post-accumulate-grad hook clipping a parameter's gradient in place."""
+
+    def __init__(self, dims: tuple[int, ...]):
+        super().__init__(dims)
+        self.stats: dict[str, Tensor] = {}
+        self.layers[0].register_forward_hook(self._keep_stat)
+        self.layers[1].register_full_backward_hook(self._backward_hook)
+        self.layers[-1].weight.register_post_accumulate_grad_hook(self._clip)
+
+    def _keep_stat(self, module: nn.Module, args, output: Tensor) -> None:
+        self.stats["layers.0"] = output.detach().abs().amax(dim=0)  # (d1,), kept a step
+
+    @staticmethod
+    def _clip(param: Tensor) -> None:
+        param.grad.clamp_(-1.0, 1.0)  # in place: no new storage
+
+    @staticmethod
+    def _backward_hook(module: nn.Module, grad_input, grad_output) -> None:
+        return None  # observes only; the wrapping Functions are what is measured
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.layers[0](x)
+        h.register_hook(lambda g: g.clamp(-1.0, 1.0))  # a new gradient tensor
+        for layer in self.layers[1:]:
+            h = layer(F.gelu(h))
+        return h
+
+
 # --------------------------------------------------------------------------- builders
 def _build_mlp(device: str) -> Setup:
     model = MLP((64, 256, 256, 10)).to(device)
@@ -380,6 +461,61 @@ def _build_lm(device: str) -> Setup:
                  (model, opt, tokens, labels))
 
 
+def _build_saved_output_never_used(device: str) -> Setup:
+    # Issue 9's input: x.amax saves its output; only topk's indices use it.
+    x = torch.ones(4096, 160).to(device).requires_grad_()
+
+    def step() -> None:
+        m = x.amax(dim=-1)  # (4096,), saved by AmaxBackward0, which never runs
+        idx = m.topk(2)[1]
+        x.sum().backward()
+        del m, idx
+    return Setup(step, (x,))
+
+
+def _build_group_limited_router(device: str) -> Setup:
+    model = RoutedMLP(dim=32).to(device)
+    opt = _sgd(model)
+    x = torch.randn(24, 32).to(device)
+    return Setup(_train_step(model, opt, lambda: model(x).square().mean()), (model, opt, x))
+
+
+def _build_retain_graph(device: str) -> Setup:
+    model = MLP((32, 128, 32)).to(device)
+    opt = _sgd(model)
+    x = torch.randn(16, 32).to(device)
+    held: list[Tensor] = []
+
+    def step() -> None:
+        loss = model(x).square().mean()
+        loss.backward(retain_graph=True)  # the graph's saved tensors stay
+        loss.backward()  # a second backward through the kept graph, then freed
+        opt.step()
+        out = model(x).square().mean()
+        out.backward(retain_graph=True)  # kept with its graph until the next step
+        held[:] = [out]
+    return Setup(step, (model, opt, x))
+
+
+def _build_hooks(device: str) -> Setup:
+    model = HookedMLP((32, 128, 128, 16)).to(device)
+    opt = _sgd(model)
+    x = torch.randn(16, 32).to(device)
+    return Setup(_train_step(model, opt, lambda: model(x).square().mean()), (model, opt, x))
+
+
+def _build_training_loop(device: str) -> Setup:
+    model = MLP((32, 96, 32)).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 32).to(device)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)  # frees the last step's gradients
+        model(x).square().mean().backward()
+        opt.step()
+    return Setup(step, (model, opt, x))
+
+
 CASES: tuple[Case, ...] = (
     Case("mlp", _build_mlp, "3-layer GELU MLP, SGD"),
     Case("convnet_bn_inplace_relu", _build_convnet,
@@ -397,12 +533,20 @@ CASES: tuple[Case, ...] = (
          unseen_bytes=5056,
          unseen_cause="the peak is in the backward of blocks.0 (the last to run), while "
                       "checkpoint still holds its stash of torch.get_rng_state(), a 5056 B CPU "
-                      "tensor made outside the dispatcher (host memory, not GPU memory)"),
+                      "tensor made outside the dispatcher (host memory, not GPU memory)",
+         unseen_bytes_later=3 * 5056,
+         unseen_cause_later="from the second step on the gradients exist already, so the peak "
+                            "moves to the backward of blocks.2 (the first to run), while all "
+                            "three checkpoints still hold their 5056 B RNG-state stash"),
     Case("custom_function", _build_custom_function,
          "a custom autograd Function with save_for_backward, SGD",
          unseen_bytes=12,
          unseen_cause="the peak is `x.relu().mul(2)` in the Function's backward: "
-                      + _WRAPPED_SCALAR.replace("float64 or int64", "int64")),
+                      + _WRAPPED_SCALAR.replace("float64 or int64", "int64"),
+         unseen_bytes_later=0,
+         unseen_cause_later="from the second step on the gradients exist already, so the peak "
+                            "moves to w2's backward, before the Function's backward makes its "
+                            "scalar"),
     Case("views_cat_chunk", _build_views, "chunk / t / cat / narrow / view / reshape, SGD"),
     Case("adam", _build_adam, "MLP, first Adam step (lazy state init, step tensors)",
          unseen_bytes=12,
@@ -420,7 +564,26 @@ CASES: tuple[Case, ...] = (
          "embedding, RMSNorm, vocabulary head, cross-entropy, AdamW",
          unseen_bytes=12,
          unseen_cause="the peak is AdamW's `exp_avg_sq.sqrt() / bias_correction2_sqrt` for the "
-                      "vocabulary head: " + _WRAPPED_SCALAR.replace("float64 or int64", "float64")),
+                      "vocabulary head: " + _WRAPPED_SCALAR.replace("float64 or int64", "float64"),
+         unseen_bytes_later=0,
+         unseen_cause_later="from the second step on the optimizer states exist already, so the "
+                            "peak moves to the cross-entropy's backward "
+                            "(_log_softmax_backward_data), where no scalar is wrapped"),
+    Case("saved_output_node_never_runs", _build_saved_output_never_used,
+         "issue 9's input: amax's saved output feeds only topk's indices, so its backward Node "
+         "never runs; x.sum().backward()"),
+    Case("group_limited_router", _build_group_limited_router,
+         "DeepSeek-V2's softmax, group-limited router weighting an MLP, SGD"),
+    Case("retain_graph", _build_retain_graph,
+         "backward twice through a retained graph, and a graph kept into the next step, SGD"),
+    Case("hooks", _build_hooks,
+         "forward hook keeping a statistic, full backward hook, tensor hook, "
+         "post-accumulate-grad hook, SGD"),
+    Case("training_loop", _build_training_loop,
+         "zero_grad(set_to_none=True), forward, backward, Adam: the usual loop",
+         unseen_bytes=12,
+         unseen_cause="the peak is Adam's `exp_avg_sq.sqrt() / bias_correction2_sqrt` for the "
+                      "largest weight: " + _WRAPPED_SCALAR.replace("float64 or int64", "float64")),
 )
 
 
