@@ -1,9 +1,13 @@
 """Pipeline schedules: the ordered forward / backward steps of every pipeline rank.
 
-A step is ``(stage, microbatch, kind)`` where ``stage`` is the virtual stage (with VPP v, rank p
-runs virtual stages p, p + pp, ...), written in PyTorch's compact notation ``"0F3"`` (stage 0,
-forward, microbatch 3). ``SCHEDULES`` maps a name to a function ``(pp, vpp, M) -> list of
-steps per rank``; ``check_schedule`` builds the ``networkx`` DAG of dependencies and checks it.
+A step is ``(stage, kind, microbatch)`` where ``stage`` is the model chunk (virtual stage) and
+``kind`` is PyTorch's F (forward), B (full backward), I (input-gradient backward) or W
+(weight-gradient backward), written in PyTorch's compact notation ``"0F3"`` (chunk 0, forward,
+microbatch 3). Which rank runs a chunk is ``Placement`` (``placement.py``: loop, V,
+bidirectional), the one table of it. ``SCHEDULES`` names the schedules: 1F1B, GPipe and
+Megatron's interleaved 1F1B (``core.py``), ZB-H1 and ZB-V (``zero_bubble.py``), DualPipe and
+DualPipeV (``dualpipe.py``); ``schedule`` gives the steps per rank, checked by
+``check_schedule`` (the ``networkx`` DAG of dependencies).
 
 Fidelity: a schedule here is an order of steps per rank, not a timeline; memory depends only on
 that order (microbatches are independent apart from gradient accumulation). Communication
@@ -16,7 +20,10 @@ from tracemem.schedules.core import (
     check_schedule,
     format_grid,
     inflight_peak,
+    placement,
     schedule,
 )
+from tracemem.schedules.placement import Placement
 
-__all__ = ["SCHEDULES", "Step", "check_schedule", "format_grid", "inflight_peak", "schedule"]
+__all__ = ["SCHEDULES", "Placement", "Step", "check_schedule", "format_grid", "inflight_peak",
+           "placement", "schedule"]

@@ -1,4 +1,4 @@
-"""Schedule steps, the three schedules, and their checks (see the package docstring)."""
+"""Schedule steps, the 1F1B family, the registry, and the checks (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,21 @@ import networkx as nx
 from tabulate import tabulate
 
 from tracemem.errors import TracememError
+from tracemem.schedules.placement import Placement
 
-__all__ = ["Step", "SCHEDULES", "schedule", "check_schedule", "inflight_peak", "format_grid"]
+__all__ = ["Step", "SCHEDULES", "schedule", "placement", "check_schedule", "inflight_peak",
+           "format_grid"]
 
-_NOTATION = re.compile(r"^(\d+)([FB])(\d+)$")
+# PyTorch's letters (torch/distributed/pipelining/schedules.py, ``_ComputationType``):
+# F forward, B full backward, I backward for the input gradient, W backward for the weights
+_NOTATION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
 class Step:
-    """One forward (``"F"``) or backward (``"B"``) of ``microbatch`` on virtual ``stage``."""
+    """One forward (``"F"``), full backward (``"B"``), input-gradient backward (``"I"``) or
+    weight-gradient backward (``"W"``) of ``microbatch`` on model chunk (virtual stage)
+    ``stage``; which rank runs it is ``Placement.rank_of``."""
 
     stage: int
     kind: str
@@ -31,11 +37,12 @@ class Step:
         """``"0F3"`` -> ``Step(0, "F", 3)``.
 
         Raises:
-            TracememError: not STAGE F|B MICROBATCH.
+            TracememError: not STAGE F|B|I|W MICROBATCH.
         """
         match = _NOTATION.match(text)
         if not match:
-            raise TracememError(f"step {text!r} is invalid; write STAGE F|B MICROBATCH, e.g. 0F3")
+            raise TracememError(f"step {text!r} is invalid; write STAGE F|B|I|W MICROBATCH, "
+                                f"e.g. 0F3")
         return cls(int(match[1]), match[2], int(match[3]))
 
 
@@ -88,7 +95,64 @@ def interleaved_1f1b(pp: int, vpp: int, m: int) -> list[list[Step]]:
     return ranks
 
 
-SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved-1f1b": interleaved_1f1b}
+def _registry() -> dict:
+    from tracemem.schedules.dualpipe import dualpipe, dualpipev
+    from tracemem.schedules.zero_bubble import zb_h1, zbv
+    # name -> (steps function (pp, vpp, M), placement style, model chunks per rank or None
+    # for --vpp)
+    return {"1f1b": (one_f_one_b, "loop", 1), "gpipe": (gpipe, "loop", 1),
+            "interleaved-1f1b": (interleaved_1f1b, "loop", None),
+            "zb-h1": (zb_h1, "loop", 1), "zbv": (zbv, "v", 2),
+            "dualpipe": (dualpipe, "bidirectional", 1), "dualpipev": (dualpipev, "v", 2)}
+
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zbv", "dualpipe", "dualpipev")
+
+
+def placement(name: str, pp: int, vpp: int, num_microbatches: int) -> Placement:
+    """Where schedule ``name`` puts the model chunks (``pp * vpp`` of them)."""
+    style = _registry()[name][1]
+    return Placement(style, pp, pp * vpp, num_microbatches)
+
+
+def _validate(name: str, pp: int, vpp: int, m: int) -> None:
+    if name not in SCHEDULES:
+        raise TracememError(f"--schedule {name!r} is invalid; choose one of "
+                            f"{', '.join(SCHEDULES)}")
+    if m <= 0:
+        raise TracememError(f"--num-microbatches {m} must be a positive integer")
+    chunks = _registry()[name][2]
+    if name == "interleaved-1f1b":
+        if vpp < 2:
+            raise TracememError("--schedule interleaved-1f1b needs --vpp 2 or more; use 1f1b "
+                                "for one model chunk per rank")
+        if m % pp:
+            raise TracememError(
+                f"--num-microbatches {m} must be a multiple of --pp {pp} for "
+                f"the interleaved schedule (Megatron-LM rejects it); try "
+                f"{-(-m // pp) * pp}")
+    elif chunks == 2 and vpp != 2:
+        raise TracememError(f"--schedule {name} places two model chunks on every rank in a V; "
+                            f"give --vpp 2 (and a layout of 2 * pp stages), not --vpp {vpp}")
+    elif chunks == 1 and vpp != 1:
+        hint = "interleaved-1f1b" if name != "dualpipe" else "dualpipev"
+        raise TracememError(f"--schedule {name} runs one model chunk per rank; --vpp {vpp} "
+                            f"needs --schedule {hint}")
+    if name == "dualpipe":
+        # deepseek-ai/DualPipe dualpipe.py, DualPipe.step: num_ranks % 2 == 0,
+        # num_chunks % 2 == 0 and num_chunks >= num_ranks * 2
+        if pp < 2 or pp % 2:
+            raise TracememError(f"--schedule dualpipe needs an even --pp (DualPipe pairs rank "
+                                f"r with rank pp - 1 - r); got --pp {pp}")
+        if m % 2 or m < 2 * pp:
+            raise TracememError(
+                f"--num-microbatches {m} must be even and at least 2 * pp = {2 * pp} for "
+                f"dualpipe (DualPipe.step asserts it); try {max(2 * pp, m + m % 2)}")
+    if name == "dualpipev" and m < 2 * pp:
+        # dualpipev.py, DualPipeV.step: num_chunks >= num_ranks * 2 (PyTorch's
+        # ScheduleDualPipeV: at least as many microbatches as stages)
+        raise TracememError(f"--num-microbatches {m} must be at least 2 * pp = {2 * pp} for "
+                            f"dualpipev (DualPipeV.step asserts it)")
 
 
 def schedule(name: str, pp: int, vpp: int, num_microbatches: int) -> list[list[Step]]:
@@ -96,49 +160,54 @@ def schedule(name: str, pp: int, vpp: int, num_microbatches: int) -> list[list[S
 
     Raises:
         TracememError: unknown schedule, a VPP the schedule does not take, or a microbatch
-            count it rejects (Megatron's interleaved schedule needs M to be a multiple of pp).
+            count it rejects (Megatron's interleaved schedule needs M to be a multiple of pp;
+            DualPipe an even M >= 2 * pp; DualPipeV M >= 2 * pp).
     """
-    if name not in SCHEDULES:
-        raise TracememError(f"--schedule {name!r} is invalid; choose one of "
-                            f"{', '.join(SCHEDULES)}")
-    if num_microbatches <= 0:
-        raise TracememError(f"--num-microbatches {num_microbatches} must be a positive integer")
-    if name == "interleaved-1f1b":
-        if vpp < 2:
-            raise TracememError("--schedule interleaved-1f1b needs --vpp 2 or more; use 1f1b "
-                                "for one model chunk per rank")
-        if num_microbatches % pp:
-            raise TracememError(
-                f"--num-microbatches {num_microbatches} must be a multiple of --pp {pp} for "
-                f"the interleaved schedule (Megatron-LM rejects it); try "
-                f"{-(-num_microbatches // pp) * pp}")
-    elif vpp != 1:
-        raise TracememError(f"--schedule {name} runs one model chunk per rank; --vpp {vpp} "
-                            f"needs --schedule interleaved-1f1b")
-    steps = SCHEDULES[name](pp, vpp, num_microbatches)
-    check_schedule(steps, pp * vpp, num_microbatches)
+    _validate(name, pp, vpp, num_microbatches)
+    steps = _registry()[name][0](pp, vpp, num_microbatches)
+    check_schedule(steps, placement(name, pp, vpp, num_microbatches), num_microbatches)
     return steps
 
 
-def check_schedule(ranks: list[list[Step]], num_stages: int, num_microbatches: int) -> nx.DiGraph:
-    """Build the DAG of data dependencies (F of stage v before F of v + 1, the last F before
-    its B, B of v + 1 before B of v) and of each rank's order; check that every step occurs
-    exactly once and that the graph is acyclic (a cycle is a deadlock). Returns the graph.
+def check_schedule(ranks: list[list[Step]], where: Placement,
+                   num_microbatches: int) -> nx.DiGraph:
+    """Build the DAG of data dependencies (F of chunk v before F of v + 1, the last F before
+    its backward, the backward (B or I) of v + 1 before that of v, I before W) and of each
+    rank's order; check that every microbatch has one F and either one B or one I and one W
+    on every chunk, each on the rank ``where`` puts it, and that the graph is acyclic (a
+    cycle is a deadlock). Returns the graph.
 
     Raises:
-        AssertionError: an internal schedule is incomplete or deadlocks.
+        AssertionError: an internal schedule is incomplete, misplaced or deadlocks.
     """
+    num_stages = where.num_chunks
     graph = nx.DiGraph()
-    expected = {Step(v, k, i) for v in range(num_stages) for k in "FB"
-                for i in range(num_microbatches)}
     seen = [step for steps in ranks for step in steps]
-    assert sorted(seen) == sorted(expected), "a schedule must run every step exactly once"
+    assert len(seen) == len(set(seen)), "a schedule must run every step once"
+    for rank, steps in enumerate(ranks):
+        for step in steps:
+            assert where.rank_of(step.stage, step.microbatch) == rank, (rank, str(step))
+    split = {(s.stage, s.microbatch) for s in seen if s.kind == "I"}
+    expected = set()
+    for v in range(num_stages):
+        for i in range(num_microbatches):
+            expected.add(Step(v, "F", i))
+            expected |= ({Step(v, "I", i), Step(v, "W", i)} if (v, i) in split
+                         else {Step(v, "B", i)})
+    assert set(seen) == expected, "a schedule must run every step exactly once"
     graph.add_nodes_from(expected)
+
+    def backward(v: int, i: int) -> Step:
+        return Step(v, "I" if (v, i) in split else "B", i)
+
     for i in range(num_microbatches):
         for v in range(num_stages - 1):
             graph.add_edge(Step(v, "F", i), Step(v + 1, "F", i))
-            graph.add_edge(Step(v + 1, "B", i), Step(v, "B", i))
-        graph.add_edge(Step(num_stages - 1, "F", i), Step(num_stages - 1, "B", i))
+            graph.add_edge(backward(v + 1, i), backward(v, i))
+        graph.add_edge(Step(num_stages - 1, "F", i), backward(num_stages - 1, i))
+        for v in range(num_stages):
+            if (v, i) in split:
+                graph.add_edge(Step(v, "I", i), Step(v, "W", i))
     for steps in ranks:
         nx.add_path(graph, steps)
     assert nx.is_directed_acyclic_graph(graph), "the schedule deadlocks"
@@ -146,11 +215,11 @@ def check_schedule(ranks: list[list[Step]], num_stages: int, num_microbatches: i
 
 
 def inflight_peak(steps: list[Step]) -> int:
-    """The most microbatch forwards a rank holds at once (forwards done minus backwards done),
-    counted in model chunks."""
+    """The most microbatch forwards a rank holds at once (forwards done minus full or
+    input-gradient backwards done: after I only W's inputs remain), counted in model chunks."""
     held = peak = 0
     for step in steps:
-        held += 1 if step.kind == "F" else -1
+        held += {"F": 1, "B": -1, "I": -1, "W": 0}[step.kind]
         peak = max(peak, held)
     return peak
 
