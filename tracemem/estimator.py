@@ -45,7 +45,8 @@ from modeling.routing import RoutingModel, parse_routing
 from tracemem.categories import Category
 from tracemem.errors import TracememError
 from tracemem.parallel import ParallelConfig
-from tracemem.schedules import Step, schedule
+from tracemem.schedules import Placement, Step, placement, schedule
+from tracemem.split_backward import backward_input
 from tracemem.static import StaticMemory, static_memory
 from tracemem.tracer import MemoryEvent, MemoryTracer
 from tracemem.zero3 import Zero3Gathers
@@ -136,8 +137,11 @@ class Estimate:
 @dataclass
 class Segments:
     """Traced event segments of one rank: ``(chunk, kind, microbatch)`` -> the
-    ``MemoryEvent`` list of that forward (``"F"``) or backward (``"B"``). Microbatch 0 is the
-    first; microbatch 1 stands for every later one (gradients then accumulate)."""
+    ``MemoryEvent`` list of that forward (``"F"``) or full backward (``"B"``), or, for a
+    microbatch whose backward is split (``tracemem.split_backward``), of its forward
+    (``"Fs"``), input-gradient backward (``"I"``) and weight-gradient backward (``"W"``).
+    ``chunk`` is the position among the rank's model chunks. Microbatch 0 is the first;
+    microbatch 1 stands for every later one (gradients then accumulate)."""
 
     events: dict[tuple[int, str, int], list] = field(default_factory=dict)
 
@@ -160,9 +164,11 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
                 routing: RoutingModel, attention: str, experts: str, recompute: str,
                 recompute_modules: frozenset[str], deallocate: bool,
                 rounding: int | None, kernels: KernelProfile,
-                zero3_prefetch: bool = True) -> tuple[object, Segments]:
+                zero3_prefetch: bool = True, where: Placement | None = None,
+                kinds: frozenset[str] = frozenset("B")) -> tuple[object, Segments]:
+    """``kinds``: "B" traces forwards with full backwards, "I" forwards with split ones."""
     model = build_rank(cfg, par, rank, attention=attention, experts=experts,
-                       dtype=torch.bfloat16, kernels=kernels)
+                       dtype=torch.bfloat16, kernels=kernels, placement=where)
     # ZeRO-3: every unit's all-gathers are traced events (tracemem.zero3)
     gathers = Zero3Gathers(zero3_prefetch).install(model) if par.zero == 3 else None
     for module in model.modules():
@@ -177,7 +183,7 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
     for chunk in range(len(model.chunks)):
         first = chunk == 0 and model.pre_process
         last = chunk == last_chunk and model.post_process
-        for mb in (0, 1):
+        for split, mb in [(k == "I", mb) for k in sorted(kinds) for mb in (0, 1)]:
             start = len(tracer.events)
             with tracer:
                 labels = torch.zeros(b, seq, dtype=torch.long, device="meta")
@@ -187,6 +193,27 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
                 if not last:
                     send_forward(output, deallocate)
             middle = len(tracer.events)
+            if split:
+                with tracer:  # I: input gradients; Linear weight gradients deferred
+                    grad = None if last else recv_backward((b, local, cfg.hidden_size),
+                                                           torch.bfloat16)
+                    weights = backward_input([output], [grad], [inputs],
+                                             list(model.parameters()))
+                    if inputs.requires_grad:
+                        inputs.grad = None  # sent to the previous stage
+                    del inputs, output, labels, grad
+                    for param in model.parameters():
+                        param.grad = None
+                end_input = len(tracer.events)
+                with tracer:  # W
+                    weights.run()
+                    del weights
+                    for param in model.parameters():
+                        param.grad = None
+                segments.events[(chunk, "Fs", mb)] = tracer.events[start:middle]
+                segments.events[(chunk, "I", mb)] = tracer.events[middle:end_input]
+                segments.events[(chunk, "W", mb)] = tracer.events[end_input:len(tracer.events)]
+                continue
             with tracer:
                 grad = None if last else recv_backward((b, local, cfg.hidden_size),
                                                        torch.bfloat16)
@@ -222,14 +249,19 @@ class ReplayedEvent(NamedTuple):
     event: MemoryEvent
 
 
-def segment_key(step: Step, pp: int) -> tuple[int, str, int]:
+def segment_key(step: Step, pp: int, chunk_index: Callable[[int], int] | None = None,
+                split: bool = False) -> tuple[int, str, int]:
     """The ``Segments`` key that schedule step ``step`` replays: (model chunk, kind,
-    microbatch 0 or 1). Virtual stage v is model chunk v // pp; microbatch 1 stands for every
-    later one."""
-    return (step.stage // pp, step.kind, min(step.microbatch, 1))
+    microbatch 0 or 1). Virtual stage v is model chunk ``chunk_index(v)`` of the rank (default
+    v // pp, the loop placement); microbatch 1 stands for every later one; the forward of a
+    ``split`` microbatch (one with an I step) is ``"Fs"``."""
+    chunk = chunk_index(step.stage) if chunk_index else step.stage // pp
+    kind = "Fs" if split and step.kind == "F" else step.kind
+    return (chunk, kind, min(step.microbatch, 1))
 
 
-def replay_events(steps: list[Step], pp: int, segments: Segments) -> Iterator[ReplayedEvent]:
+def replay_events(steps: list[Step], pp: int, segments: Segments,
+                  chunk_index: Callable[[int], int] | None = None) -> Iterator[ReplayedEvent]:
     """The allocations and frees of a rank's schedule ``steps`` replayed over its traced
     ``segments``, in order, with O(1) work per traced event.
 
@@ -241,10 +273,12 @@ def replay_events(steps: list[Step], pp: int, segments: Segments) -> Iterator[Re
     """
     live: dict[tuple[int, int, int], MemoryEvent] = {}
     gradient = Category.GRADIENT
+    split = {(s.stage, s.microbatch) for s in steps if s.kind == "I"}
     new = tuple.__new__  # ReplayedEvent(...) without its Python-level __new__: the hot path
     for index, step in enumerate(steps):
         stage, microbatch = step.stage, step.microbatch
-        for event in segments.events[segment_key(step, pp)]:
+        key_of_step = segment_key(step, pp, chunk_index, (stage, microbatch) in split)
+        for event in segments.events[key_of_step]:
             key = (stage, microbatch, event.storage_id)
             if event.action == "free":
                 held = live.pop(key, None)
@@ -260,17 +294,18 @@ def replay_events(steps: list[Step], pp: int, segments: Segments) -> Iterator[Re
 
 
 def replay_schedule(steps: list[Step], pp: int, segments: Segments,
-                    base_bytes: int) -> ReplayPeak:
+                    base_bytes: int, chunk_index: Callable[[int], int] | None = None
+                    ) -> ReplayPeak:
     """Replay a rank's schedule ``steps`` over its traced ``segments`` (``replay_events``) on
     top of ``base_bytes`` (static memory): the peak, the step running there, the microbatch
-    forwards in flight and what is alive.
+    forwards in flight and what is alive. ``chunk_index``: see ``segment_key``.
 
     Linear in the events replayed: one pass finds the peak (the first event that reaches the
     highest total), a second pass rebuilds the storages alive at that event, once.
     """
     current = peak = base_bytes
     peak_at = peak_n = None
-    for n, (index, _, action, nbytes, _) in enumerate(replay_events(steps, pp, segments)):
+    for n, (index, _, action, nbytes, _) in enumerate(replay_events(steps, pp, segments, chunk_index)):
         if action == "alloc":
             current += nbytes
             if current > peak:
@@ -280,14 +315,14 @@ def replay_schedule(steps: list[Step], pp: int, segments: Segments,
     peak_live: dict[tuple[int, int, int], MemoryEvent] = {}
     inflight_at_peak = 0
     if peak_n is not None:
-        for _, key, action, _, event in islice(replay_events(steps, pp, segments), peak_n + 1):
+        for _, key, action, _, event in islice(replay_events(steps, pp, segments, chunk_index), peak_n + 1):
             if action == "alloc":
                 peak_live[key] = event
             else:
                 peak_live.pop(key, None)
-        # forwards started (the running step included) minus backwards finished
+        # forwards started (the running step included) minus backwards (B or I) finished
         inflight_at_peak = (sum(step.kind == "F" for step in steps[:peak_at + 1])
-                            - sum(step.kind == "B" for step in steps[:peak_at]))
+                            - sum(step.kind in "BI" for step in steps[:peak_at]))
     by_category: dict[str, int] = {}
     by_module: dict[str, int] = {}
     for event in peak_live.values():
@@ -303,11 +338,11 @@ def replay_schedule(steps: list[Step], pp: int, segments: Segments,
 
 
 def _worst_ep_rank(cfg: ModelConfig, par: ParallelConfig, stage: int, routing: RoutingModel,
-                   tokens: int) -> int:
+                   tokens: int, where: Placement | None = None) -> int:
     """The EP rank of ``stage`` whose experts receive the most token-slots."""
     per_ep = cfg.num_routed_experts // par.ep
     load = [0] * par.ep
-    for chunk in par.layers_of_stage(stage):
+    for chunk in par.layers_of_stage(stage, where):
         for layer in chunk:
             if cfg.is_moe_layer(layer):
                 counts = routing.counts(tokens, cfg.num_experts_per_tok,
@@ -367,18 +402,32 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
     profile = get_profile(kernels, **(kernel_options or {}))
     routing_model = parse_routing(routing, seed)
     steps_by_rank = schedule(schedule_name, par.pp, par.vpp, num_microbatches)
+    where = placement(schedule_name, par.pp, par.vpp, num_microbatches)
+    if any(s.kind == "W" for steps in steps_by_rank for s in steps):
+        if recompute != "none":
+            raise TracememError(f"--schedule {schedule_name} defers weight gradients (W "
+                                f"steps), which tracemem does not yet trace with --recompute "
+                                f"{recompute} (checkpointed tensors unpack once); use "
+                                f"--recompute none")
+        if par.zero == 3:
+            raise TracememError(f"--schedule {schedule_name} defers weight gradients (W "
+                                f"steps), which tracemem does not yet trace with --zero 3 "
+                                f"(W would gather the parameters again); use --zero 1 or 2")
     tokens = micro_batch_size * seq_length // split
     results, cache = [], {}
     for stage in range(par.pp):
         ep_rank = None
         if routing != "balanced" and par.ep > 1:
-            ep_rank = _worst_ep_rank(cfg, par, stage, routing_model, tokens)
+            ep_rank = _worst_ep_rank(cfg, par, stage, routing_model, tokens, where)
         rank = stage * (par.world_size // par.pp) + (ep_rank or 0) * par.etp
         assert coordinates(par, rank).ep_rank == (ep_rank or 0)
-        layers = [i for chunk in par.layers_of_stage(stage) for i in chunk]
-        signature = (stage == 0, stage == par.pp - 1, ep_rank,
+        layers = [i for chunk in par.layers_of_stage(stage, where) for i in chunk]
+        held = where.chunks_of(stage)
+        kinds = frozenset(s.kind for s in steps_by_rank[stage]) & {"B", "I"}
+        signature = (0 in held, where.num_chunks - 1 in held, ep_rank,
+                     tuple(len(c) for c in par.layers_of_stage(stage, where)),
                      tuple(cfg.is_moe_layer(i) for i in layers),
-                     None if routing == "balanced" else tuple(layers))
+                     None if routing == "balanced" else tuple(layers), kinds)
         if progress:
             progress(f"tracing pipeline stage {stage + 1}/{par.pp}")
         if signature not in cache:
@@ -387,13 +436,14 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                 attention=attention, experts=experts, recompute=recompute,
                 recompute_modules=frozenset(recompute_modules),
                 deallocate=deallocate_pipeline_outputs, rounding=rounding,
-                zero3_prefetch=zero3_prefetch, kernels=profile)
+                zero3_prefetch=zero3_prefetch, kernels=profile, where=where, kinds=kinds)
             cache[signature] = (static_memory(model_obj, par), segments)
         static, segments = cache[signature]
         steps = steps_by_rank[stage]
         # ZeRO-3 gathers are traced events, not the static line item
         replayed = replay_schedule(steps, par.pp, segments,
-                                   static.total_bytes - static.zero3_gather_bytes)
+                                   static.total_bytes - static.zero3_gather_bytes,
+                                   lambda v, stage=stage: where.chunk_index(stage, v))
         peak, at, inflight = replayed.peak_bytes, replayed.step_index, replayed.inflight
         live, modules = replayed.by_category, replayed.by_module
         results.append(RankEstimate(

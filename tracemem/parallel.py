@@ -271,12 +271,14 @@ class ParallelConfig:
             raise TracememError(f"rank {rank!r} is outside [0, {self.world_size})")
         return rank // (self.world_size // self.pp)
 
-    def layers_of_stage(self, stage: int) -> list[list[int]]:
+    def layers_of_stage(self, stage: int, placement=None) -> list[list[int]]:
         """Global layer numbers of pipeline rank ``stage``, one list per model chunk (VPP:
-        chunk c of rank p is virtual stage c * pp + p, as in Megatron's interleaved schedule)."""
+        chunk c of rank p is virtual stage c * pp + p, as in Megatron's interleaved schedule;
+        or the chunks a ``tracemem.schedules.Placement`` puts there: V, bidirectional)."""
         starts = [sum(self.pp_layout[:v]) for v in range(self.num_virtual_stages)]
-        return [list(range(starts[v], starts[v] + self.pp_layout[v]))
-                for v in range(stage, self.num_virtual_stages, self.pp)]
+        chunks = (placement.chunks_of(stage) if placement is not None
+                  else range(stage, self.num_virtual_stages, self.pp))
+        return [list(range(starts[v], starts[v] + self.pp_layout[v])) for v in chunks]
 
 
 def _layout(num_layers: int, stages: int, layout, first, last, vpp: int = 1

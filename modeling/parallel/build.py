@@ -49,13 +49,15 @@ def coordinates(par, rank: int) -> RankCoordinates:
 def build_rank(model_cfg: ModelConfig, par, rank: int, *, attention: str = "flash",
                experts: str = "auto", device: str | torch.device = "meta",
                dtype: torch.dtype | None = None,
-               kernels: str | KernelProfile = "eager") -> Transformer:
+               kernels: str | KernelProfile = "eager", placement=None) -> Transformer:
     """The part of the model that global rank ``rank`` holds under ``par`` (a validated
     ``tracemem.ParallelConfig``): the layers of its pipeline stage (one chunk per virtual
     stage, global layer numbers kept in module paths), the embedding on the first stage, the
     final norm, head, loss and MTP modules on the last, every module at this rank's shard
     shapes under ``par.plan`` (``modeling.parallel.plans``), running the ``kernels`` profile
-    (``modeling.kernels``; default "eager").
+    (``modeling.kernels``; default "eager"). ``placement`` (a ``tracemem.schedules.Placement``;
+    default Megatron's loop) says which chunks the rank holds: the embedding comes with chunk
+    0, the head and loss with the last chunk.
 
     Raises:
         TracememError: rank outside [0, world_size); "grouped" experts with parameters that are
@@ -63,12 +65,14 @@ def build_rank(model_cfg: ModelConfig, par, rank: int, *, attention: str = "flas
     """
     where = coordinates(par, rank)
     sizes = local_sizes(model_cfg, par, where.ep_rank)
-    chunks = par.layers_of_stage(where.pp_rank)
+    chunks = par.layers_of_stage(where.pp_rank, placement)
+    held = (placement.chunks_of(where.pp_rank) if placement is not None
+            else range(where.pp_rank, par.num_virtual_stages, par.pp))
     dtype = dtype or getattr(torch, model_cfg.dtype)
     with torch.device(device):
         model = Transformer(model_cfg, attention, resolve_experts(experts, dtype), sizes, chunks,
-                            pre_process=where.pp_rank == 0,
-                            post_process=where.pp_rank == par.pp - 1,
+                            pre_process=0 in held,
+                            post_process=par.num_virtual_stages - 1 in held,
                             kernels=get_profile(kernels))
     cast_parameters(model, dtype)
     return model

@@ -1,0 +1,49 @@
+"""tracemem estimate under the zero-bubble and DualPipe schedules, on deepseek-tiny.
+
+References: the placements of tracemem/schedules/placement.py (DualPipe: rank r holds chunks r
+and pp - 1 - r; V: r and 2 pp - 1 - r), the in-flight counts derived by hand in
+test_schedules.py, and DualPipe's README memory table (PP + 1 activations, 2x parameters).
+"""
+
+import pytest
+
+from tracemem.errors import TracememError
+from tracemem.estimator import estimate
+
+TINY = dict(world_size=4, tp=2, sp=True, micro_batch_size=2, seq_length=64,
+            experts="sequential", num_microbatches=4)
+
+
+def test_dualpipe_every_rank_holds_two_stages_and_pp_plus_one_microbatches():
+    one = estimate("deepseek-tiny", pp=2, schedule_name="1f1b", **TINY)
+    dual = estimate("deepseek-tiny", pp=2, schedule_name="dualpipe", **TINY)
+    # pp 2: rank 0 and rank 1 both hold chunks 0 and 1 (layers 0-3): the whole model
+    assert [r.layers for r in dual.ranks] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert [r.inflight_microbatches for r in dual.ranks] == [3, 3]  # pp + 1
+    # both stages' parameters on every rank: 1F1B's two stages, less the MTP module's
+    # embedding, which shares the first stage's table when one rank holds both
+    from modeling.config import load_config
+    cfg = load_config("deepseek-tiny")
+    embedding = 2 * cfg.vocab_size * cfg.hidden_size // 2  # bf16, vocabulary split by TP 2
+    assert dual.ranks[0].parameter_bytes == \
+        one.ranks[0].parameter_bytes + one.ranks[1].parameter_bytes - embedding
+
+
+def test_v_schedules_put_the_first_and_last_chunk_on_rank_0():
+    for name, inflight in (("zbv", [4, 4]), ("dualpipev", [5, 5])):
+        result = estimate("deepseek-tiny", pp=2, vpp=2, pp_layout=(1, 1, 1, 1),
+                          schedule_name=name, **TINY)
+        assert [r.layers for r in result.ranks] == [[0, 3], [1, 2]], name
+        assert [r.inflight_microbatches for r in result.ranks] == inflight, name
+
+
+def test_zb_h1_peaks_at_an_input_gradient_step():
+    result = estimate("deepseek-tiny", pp=2, schedule_name="zb-h1", **TINY)
+    assert [r.inflight_microbatches for r in result.ranks] == [2, 1]
+    assert all(r.peak_step[1] in "FIW" for r in result.ranks)
+
+
+def test_w_steps_with_recompute_are_rejected():
+    with pytest.raises(TracememError, match="--schedule zbv defers weight gradients"):
+        estimate("deepseek-tiny", pp=2, vpp=2, pp_layout=(1, 1, 1, 1), schedule_name="zbv",
+                 recompute="full", **TINY)
