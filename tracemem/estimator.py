@@ -163,7 +163,7 @@ class ReplayPeak:
 def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: int,
                 routing: RoutingModel, attention: str, experts: str, recompute: str,
                 recompute_modules: frozenset[str], deallocate: bool,
-                rounding: int | None, kernels: KernelProfile,
+                rounding: int | None, kernels: KernelProfile | str = "eager",
                 zero3_prefetch: bool = True, where: Placement | None = None,
                 kinds: frozenset[str] = frozenset("B")) -> tuple[object, Segments]:
     """``kinds``: "B" traces forwards with full backwards, "I" forwards with split ones."""
