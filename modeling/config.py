@@ -18,7 +18,7 @@ from tracemem.errors import TracememError
 
 __all__ = ["ModelConfig", "HF_KEYS", "PRESETS", "load_config"]
 
-PRESETS = ("deepseek-v3", "deepseek-v2", "deepseek-v2-lite", "deepseek-tiny")
+PRESETS = ("deepseek-v3", "deepseek-v2", "deepseek-v2-lite", "moonlight-16b-a3b", "deepseek-tiny")
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")

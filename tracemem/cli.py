@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tracemem.examples import DTYPES, DemoConfig
     from tracemem.schedules import SCHEDULES
     from tracemem.validation.cases import CASES
+    from modeling.kernels import KERNEL_PROFILES
 
     parser = _Parser(
         prog="tracemem",
@@ -131,6 +132,24 @@ def build_parser() -> argparse.ArgumentParser:
                            "prefetches the next unit's parameters by default)")
     est.add_argument("--json", action="store_true", help="print JSON, every figure in bytes")
     est.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+    inv = sub.add_parser(
+        "inventory", help="every tensor one decoder layer (or the embedding / loss end) keeps "
+                          "from forward to backward under a kernel profile, with its source")
+    _add_model_flag(inv)
+    add_parallel_arguments(inv)
+    part = inv.add_argument_group("what to list")
+    part.add_argument("--micro-batch-size", type=int, required=True,
+                      help="sequences per microbatch b")
+    part.add_argument("--seq-length", type=int, required=True,
+                      help="sequence length s in tokens")
+    part.add_argument("--part", default="layer 0",
+                      help="'layer N' (a global decoder layer number), 'mtp K', 'embedding' or "
+                           "'loss' (default: 'layer 0')")
+    _add_kernel_flags(part)
+    part.add_argument("--compare", choices=KERNEL_PROFILES, default=None,
+                      help="a second profile listed after the first, with both totals")
+    inv.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
 
     cross = sub.add_parser(
         "crosscheck", help="closed-form formulas beside the traced figures, term by term")
@@ -335,6 +354,27 @@ def _run_estimate(args: argparse.Namespace) -> str:
     return format_estimate_json(result) if args.json else format_estimate(result)
 
 
+def _run_inventory(args: argparse.Namespace) -> str:
+    from tracemem.inventory import format_inventory, get_inventory
+
+    common = dict(world_size=args.world_size, micro_batch_size=args.micro_batch_size,
+                  seq_length=args.seq_length, part=args.part, **_layout_kwargs(args))
+    inventories = [get_inventory(args.model, kernels=args.kernels,
+                                 kernel_options=_kernel_options(args), **common)]
+    if args.compare:
+        options = _kernel_options(args) if args.compare == "megatron-te" else {}
+        inventories.append(get_inventory(args.model, kernels=args.compare,
+                                         kernel_options=options, **common))
+    if args.json:
+        return json.dumps([{"model": inv.model, "kernels": inv.kernels, "part": inv.part,
+                            "settings": inv.settings, "total_bytes": inv.total_bytes,
+                            "rows": [{"module": r.module, "saved_by": list(r.saved_by),
+                                      "op": r.op, "shape": list(r.shape), "dtype": r.dtype,
+                                      "bytes": r.nbytes, "source": r.source}
+                                     for r in inv.rows]} for inv in inventories], indent=2)
+    return format_inventory(inventories)
+
+
 def _run_crosscheck(args: argparse.Namespace) -> str:
     from tracemem.crosscheck import paper_rows
 
@@ -423,6 +463,7 @@ def _span(layers: list[int]) -> str:
 def _run_validate(args: argparse.Namespace) -> str:
     from tracemem.validation import compare_case, get_case
     from tracemem.validation.cases import CASES
+    from modeling.kernels import KERNEL_PROFILES
 
     cases = [get_case(name) for name in dict.fromkeys(args.case)] if args.case else list(CASES)
     comparisons = [compare_case(case) for case in cases]
@@ -451,7 +492,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         commands = {"crosscheck": _run_crosscheck, "demo": _run_demo,
-                    "estimate": _run_estimate, "params": _run_params, "static": _run_static,
+                    "estimate": _run_estimate, "inventory": _run_inventory,
+                    "params": _run_params, "static": _run_static,
                     "validate": _run_validate}
         out = commands[args.command](args)
     except TracememError as error:
