@@ -259,14 +259,43 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default %(default)s)")
     group.add_argument("--plan", choices=PLANS, default="megatron",
                        help="which modules TP and EP split (default %(default)s)")
+    _add_precision_arguments(parser)
+
+
+def _add_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's precision flags; each overrides the --precision recipe's field (values are
+    checked by the Python API, ``tracemem.precision.resolve_precision``)."""
+    from tracemem.precision import DTYPE_CHOICES
+
+    group = parser.add_argument_group("precision (Megatron-LM flags; override --precision)")
+    group.add_argument("--use-precision-aware-optimizer", action="store_const", const=True,
+                       default=None, help="TE FusedAdam keeps master weights and moments in "
+                                          "the dtypes below (needs --zero 1 or more)")
+    for name in DTYPE_CHOICES:
+        group.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                           help=f"one of {', '.join(DTYPE_CHOICES[name])} (default: the "
+                                f"recipe's; Megatron's fp32)")
+    group.add_argument("--grad-reduce-in-bf16", action="store_const", const=True, default=None,
+                       help="bf16 main-grad buffer (reduce gradients in bf16)")
+    group.add_argument("--store-param-remainders", action=argparse.BooleanOptionalAction,
+                       default=None, help="with the precision-aware optimizer and fp32 master "
+                                          "weights, keep them as int16 remainders of the bf16 "
+                                          "parameters (Megatron's default: on)")
+    group.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
+                       default=None, help="linear layers write weight gradients straight into "
+                                          "the main grad: no transient bf16 weight gradient "
+                                          "(Megatron's default: on; tracemem's: off)")
 
 
 def _layout_kwargs(args: argparse.Namespace) -> dict:
     """``ParallelConfig.create`` keywords (all but ``world_size``) from the parallel flags."""
     from tracemem.parallel import parse_layout
 
+    from tracemem.precision import PRECISION_FLAGS
+
     return dict(tp=args.tp, sp=args.sp, cp=args.cp, ep=args.ep, etp=args.etp, pp=args.pp,
                 vpp=args.vpp, zero=args.zero, precision=args.precision, plan=args.plan,
+                **{name: getattr(args, name) for name in PRECISION_FLAGS},
                 pp_layout=parse_layout(args.pp_layout) if args.pp_layout is not None else None,
                 pp_first_stage_layers=args.pp_first_stage_layers,
                 pp_last_stage_layers=args.pp_last_stage_layers)
@@ -410,7 +439,8 @@ def _run_crosscheck(args: argparse.Namespace) -> str:
 def _run_static(args: argparse.Namespace) -> str:
     from modeling.config import load_config
     from modeling.parallel.build import build_rank
-    from tracemem.static import PRECISION_RECIPES, static_memory
+    from tracemem.precision import PRECISION_RECIPES
+    from tracemem.static import static_memory
 
     cfg = load_config(args.model)
     par = parallel_config_from_args(args, cfg)
@@ -431,6 +461,7 @@ def _run_static(args: argparse.Namespace) -> str:
                                           "vpp", "dp", "dp_cp", "edp", "zero", "precision",
                                           "plan")}
     layout["pp_layout"] = list(par.pp_layout)
+    layout["precision_spec"] = par.precision_spec.as_dict()
     if args.json:
         return json.dumps({"model": cfg.name, "parallel": layout, "stages": stages}, indent=2)
     gib = 2**30
@@ -439,11 +470,13 @@ def _run_static(args: argparse.Namespace) -> str:
              f"{s['grad_bytes'] / gib:.2f}", f"{s['optimizer_bytes'] / gib:.2f}",
              f"{s['zero3_gather_bytes'] / gib:.2f}", f"{s['total_bytes'] / gib:.2f}"]
             for s in stages]
-    recipe = PRECISION_RECIPES[par.precision]
+    recipe = par.precision_spec
     head = (f"{cfg.name}: world {par.world_size} = TP {par.tp} x CP {par.cp} x PP {par.pp} x "
             f"DP {par.dp} (ZeRO shards dense over DP x CP = {par.dp_cp}); experts EP {par.ep} "
             f"x ETP {par.etp} x EDP {par.edp}; ZeRO-{par.zero}; "
-            f"plan {par.plan}; precision {par.precision} ({recipe.param_bytes} / "
+            f"plan {par.plan}; precision {par.precision}"
+            f"{'' if recipe == PRECISION_RECIPES[par.precision] else ' + flags'} "
+            f"({recipe.param_bytes} / "
             f"{recipe.grad_bytes} / {recipe.optimizer_bytes} B per parameter)")
     table = tabulate(rows, headers=["stage", "layers", "dense params", "expert params",
                                     "params GiB", "grads GiB", "optimizer GiB",

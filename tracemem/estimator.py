@@ -47,7 +47,7 @@ from tracemem.errors import TracememError
 from tracemem.parallel import ParallelConfig
 from tracemem.schedules import Placement, Step, placement, schedule
 from tracemem.split_backward import backward_input
-from tracemem.static import StaticMemory, static_memory
+from tracemem.static import StaticMemory, fused_wgrad_modules, is_fused_wgrad, static_memory
 from tracemem.tracer import MemoryEvent, MemoryTracer
 from tracemem.zero3 import Zero3Gathers
 
@@ -208,6 +208,8 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
                 with tracer:  # W
                     weights.run()
                     del weights
+                    if gathers is not None:
+                        gathers.end_backward()  # FSDP2's root final callback
                     for param in model.parameters():
                         param.grad = None
                 segments.events[(chunk, "Fs", mb)] = tracer.events[start:middle]
@@ -227,6 +229,11 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
                     param.grad = None
             segments.events[(chunk, "F", mb)] = tracer.events[start:middle]
             segments.events[(chunk, "B", mb)] = tracer.events[middle:len(tracer.events)]
+    if par.precision_spec.gradient_accumulation_fusion:  # no transient weight gradients
+        fused = fused_wgrad_modules(model)
+        for key, events in segments.events.items():
+            if key[1] in ("B", "I", "W"):
+                segments.events[key] = [e for e in events if not is_fused_wgrad(e, fused)]
     return model, segments
 
 

@@ -15,11 +15,12 @@ import re
 from dataclasses import dataclass, field
 
 from tracemem.errors import TracememError, divisors_hint
+from tracemem.precision import PRECISION_RECIPES, Precision, resolve_precision
 
 __all__ = ["ParallelConfig", "PRECISIONS", "PLANS", "parse_layout", "ShardingRule", "SHARDING",
            "GROUPS", "sharding_rule", "format_layout", "suggest_layout", "suggest_ends"]
 
-PRECISIONS = ("megatron", "paper-2502.07846", "deepseek-v3")
+PRECISIONS = tuple(PRECISION_RECIPES)
 MAX_STAGES = 4096  # more virtual pipeline stages than any real job; bounds --pp-layout
 _LAYOUT_PART = re.compile(r"^([0-9]+)(?:\*([0-9]+))?$", re.ASCII)
 PLANS = ("megatron", "paper-2502.07846")
@@ -127,7 +128,12 @@ class ParallelConfig:
     ``pp_layout`` (decoder layers per virtual stage, in order; None = even split),
     ``zero`` (0: none, 1: optimizer states, 2: + gradients, 3: + parameters sharded over
     DP x CP for dense and EDP for expert parameters: ``SHARDING``), ``precision``
-    (``PRECISIONS``), ``plan`` (``PLANS``). ``dp`` and ``edp`` are derived.
+    (``PRECISIONS``, a recipe) with Megatron's precision flags overriding its fields
+    (``use_precision_aware_optimizer``, ``main_grads_dtype``, ``main_params_dtype``,
+    ``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``grad_reduce_in_bf16``,
+    ``store_param_remainders``, ``gradient_accumulation_fusion``; None keeps the recipe's:
+    ``tracemem.precision``), ``plan`` (``PLANS``). ``dp``, ``edp`` and ``precision_spec``
+    (the resolved ``Precision``) are derived.
 
     Use ``ParallelConfig.create(...)``, which validates against the model and derives the rest.
 
@@ -148,8 +154,17 @@ class ParallelConfig:
     zero: int = 1
     precision: str = "megatron"
     plan: str = "megatron"
+    use_precision_aware_optimizer: bool | None = None
+    main_grads_dtype: str | None = None
+    main_params_dtype: str | None = None
+    exp_avg_dtype: str | None = None
+    exp_avg_sq_dtype: str | None = None
+    grad_reduce_in_bf16: bool | None = None
+    store_param_remainders: bool | None = None
+    gradient_accumulation_fusion: bool | None = None
     dp: int = field(init=False)
     edp: int = field(init=False)
+    precision_spec: Precision = field(init=False)
 
     def __post_init__(self) -> None:
         for flag, value in (("--world-size", self.world_size), ("--tp", self.tp),
@@ -166,9 +181,14 @@ class ParallelConfig:
             raise TracememError(f"--etp {self.etp} needs --ep > 1; set --ep or use --etp 1")
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise TracememError(f"--zero {self.zero!r} is invalid; choose 0, 1, 2 or 3")
-        if self.precision not in PRECISIONS:
-            raise TracememError(f"--precision {self.precision!r} is invalid; choose one of "
-                                f"{', '.join(PRECISIONS)}")
+        object.__setattr__(self, "precision_spec", resolve_precision(
+            self.precision, self.zero,
+            use_precision_aware_optimizer=self.use_precision_aware_optimizer,
+            main_grads_dtype=self.main_grads_dtype, main_params_dtype=self.main_params_dtype,
+            exp_avg_dtype=self.exp_avg_dtype, exp_avg_sq_dtype=self.exp_avg_sq_dtype,
+            grad_reduce_in_bf16=self.grad_reduce_in_bf16,
+            store_param_remainders=self.store_param_remainders,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion))
         if self.plan not in PLANS:
             raise TracememError(f"--plan {self.plan!r} is invalid; choose one of "
                                 f"{', '.join(PLANS)}")

@@ -1,5 +1,6 @@
 """Static memory of one rank: parameters, gradients and optimizer states, by parameter group
-(dense vs expert), under a ZeRO stage and a precision recipe.
+(dense vs expert), under a ZeRO stage and a precision recipe (``tracemem.precision``: bytes per
+element of parameters, main grads, master weights and Adam moments, in Megatron's flags).
 
 Counts come from the rank's real module (``modeling.parallel.build_rank`` on the meta device);
 only the bytes per element and the ZeRO divisors are conventions, each cited below.
@@ -22,38 +23,37 @@ from torch import nn
 
 from modeling.parallel.plans import is_expert_param
 from modeling.params import count_by_component
-from tracemem.errors import TracememError
+from tracemem.categories import Category
+from tracemem.precision import PRECISION_RECIPES, Precision
 from tracemem.zero3 import unit_params
 
-__all__ = ["Precision", "PRECISION_RECIPES", "StaticMemory", "static_memory"]
+__all__ = ["Precision", "PRECISION_RECIPES", "StaticMemory", "static_memory",
+           "fused_wgrad_modules", "is_fused_wgrad"]
 
 
-@dataclass(frozen=True)
-class Precision:
-    """Bytes per parameter element of each static buffer, before ZeRO sharding."""
+def is_fused_wgrad(event, fused: dict[str, set[tuple[int, ...]]]) -> bool:
+    """Whether a backward ``MemoryEvent`` is a weight gradient that gradient-accumulation
+    fusion never materialises: a ``gradient`` storage of a fused module, or a ``temporary`` one
+    of that module with one of its weights' shapes (the partial gradient of a weight used twice,
+    such as the head under MTP, held until autograd sums it)."""
+    shapes = fused.get(event.module)
+    if shapes is None:
+        return False
+    return event.category is Category.GRADIENT or (
+        event.category is Category.TEMPORARY and tuple(event.shape) in shapes)
 
-    name: str
-    param_bytes: int  # the model's own parameter copy
-    grad_bytes: int  # gradient (main-grad) buffer
-    optimizer_bytes: int  # master weights + optimizer moments
-    source: str
 
+def fused_wgrad_modules(model: nn.Module) -> dict[str, set[tuple[int, ...]]]:
+    """Module paths whose weight gradients ``--gradient-accumulation-fusion`` writes straight
+    into the main grad: every linear layer (Megatron's ``ColumnParallelLinear`` /
+    ``RowParallelLinear`` and TE's ``Linear``, including the output head) and the grouped
+    experts (TE ``GroupedLinear``, ``fuse_wgrad_accumulation``). Not the embedding, the norms
+    or the router, whose gradients autograd makes as usual. Values: the weights' shapes."""
+    from modeling.moe import GroupedExperts
 
-PRECISION_RECIPES = {
-    "megatron": Precision(
-        "megatron", 2, 4, 12,
-        "Megatron-LM theoretical_memory_usage (megatron/training/theoretical_memory_usage.py): "
-        "bf16 parameters 2 B, fp32 main gradients 4 B, fp32 master weights and Adam m, v "
-        "12 B; 18 B per parameter without the distributed optimizer"),
-    "paper-2502.07846": Precision(
-        "paper-2502.07846", 2, 4, 8,
-        "arXiv 2502.07846, static-memory table: parameters 2 B, gradients 4 B, optimizer "
-        "states 8 B per parameter"),
-    "deepseek-v3": Precision(
-        "deepseek-v3", 2, 4, 8,
-        "DeepSeek-V3 technical report (arXiv 2412.19437) section 3.3.3: bf16 parameters, fp32 "
-        "master weights and gradients, bf16 AdamW moments: 2 + 4 + (4 + 2 + 2) B"),
-}
+    return {name: {tuple(p.shape) for p in module.parameters(recurse=False)}
+            for name, module in model.named_modules()
+            if isinstance(module, (nn.Linear, GroupedExperts))}
 
 
 @dataclass(frozen=True)
@@ -92,16 +92,9 @@ def _shard(elements: int, ways: int) -> int:
 
 def static_memory(model: nn.Module, par) -> StaticMemory:
     """Static memory of a rank's model (``build_rank``) under ``par`` (a
-    ``tracemem.ParallelConfig``: its zero, precision, plan and the group sizes that
-    ``tracemem.parallel.SHARDING`` names).
-
-    Raises:
-        TracememError: unknown precision recipe.
-    """
-    if par.precision not in PRECISION_RECIPES:
-        raise TracememError(f"--precision {par.precision!r} is invalid; choose one of "
-                            f"{', '.join(PRECISION_RECIPES)}")
-    recipe = PRECISION_RECIPES[par.precision]
+    ``tracemem.ParallelConfig``: its zero, resolved precision ``precision_spec``, plan and the
+    group sizes that ``tracemem.parallel.SHARDING`` names)."""
+    recipe = par.precision_spec
     dense = expert = 0
     for name, param in model.named_parameters():
         if is_expert_param(name, par.plan):
