@@ -284,7 +284,8 @@ def _add_precision_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
                        default=None, help="linear layers write weight gradients straight into "
                                           "the main grad: no transient bf16 weight gradient "
-                                          "(Megatron's default: on; tracemem's: off)")
+                                          "(default: the kernel profile's; megatron-te: on, "
+                                          "as Megatron; eager, torch: off)")
 
 
 def _layout_kwargs(args: argparse.Namespace) -> dict:

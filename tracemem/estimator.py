@@ -229,7 +229,8 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
                     param.grad = None
             segments.events[(chunk, "F", mb)] = tracer.events[start:middle]
             segments.events[(chunk, "B", mb)] = tracer.events[middle:len(tracer.events)]
-    if par.precision_spec.gradient_accumulation_fusion:  # no transient weight gradients
+    # --gradient-accumulation-fusion with kernels that do not fuse: no transient weight grads
+    if par.precision_spec.gradient_accumulation_fusion and kernels.name != "megatron-te":
         fused = fused_wgrad_modules(model)
         for key, events in segments.events.items():
             if key[1] in ("B", "I", "W"):
@@ -406,7 +407,13 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
         raise TracememError(f"--seq-length {seq_length} must be a multiple of cp * sp = "
                             f"{split} (the sequence is split across them)")
     hbm_bytes = parse_bytes(hbm) if hbm else None
-    profile = get_profile(kernels, **(kernel_options or {}))
+    kernel_options = dict(kernel_options or {})
+    fusion = par.precision_spec.gradient_accumulation_fusion
+    if fusion is not None and kernels == "megatron-te":  # one flag: the precision field's
+        if kernel_options.setdefault("gradient_accumulation_fusion", fusion) != fusion:
+            raise TracememError(f"gradient_accumulation_fusion={fusion} and kernel_options' "
+                                f"gradient_accumulation_fusion disagree; give one")
+    profile = get_profile(kernels, **kernel_options)
     routing_model = parse_routing(routing, seed)
     steps_by_rank = schedule(schedule_name, par.pp, par.vpp, num_microbatches)
     where = placement(schedule_name, par.pp, par.vpp, num_microbatches)

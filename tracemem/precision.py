@@ -27,7 +27,10 @@ the precision-aware-optimizer group; megatron/core/optimizer/optimizer_config.py
   turns it off): linear layers write their weight gradient straight into the main grad
   (megatron/core/tensor_parallel/layers.py ``LinearWithGradAccumulationAndAsyncCommunication``;
   TE ``fuse_wgrad_accumulation``), so no transient bf16 weight gradient exists. It changes the
-  trace, not static memory; tracemem's default is off (see ``docs/parallel.md``).
+  trace, not static memory. None (the default) leaves it to the kernel profile: on under
+  ``megatron-te`` (its TE linears write into ``main_grad``), off under ``eager`` / ``torch``;
+  set, it is the megatron-te kernels' option, and under eager / torch ``tracemem.estimate``
+  drops the weight gradients from the trace.
 
 Parameters are bf16 in every recipe (2 B).
 """
@@ -74,7 +77,7 @@ class Precision:
     exp_avg_sq_dtype: str = "fp32"
     grad_reduce_in_bf16: bool = False
     store_param_remainders: bool = True
-    gradient_accumulation_fusion: bool = False
+    gradient_accumulation_fusion: bool | None = None
     source: str = ""
 
     param_bytes = 2
@@ -148,7 +151,7 @@ def resolve_precision(recipe: str, zero: int, **overrides) -> Precision:
     for name, value in overrides.items():
         if value is None:
             continue
-        if name in _BOOLS and not isinstance(value, bool):
+        if name in _BOOLS and not isinstance(value, bool):  # None: the recipe's / profile's
             raise TracememError(f"{_flag(name)} {value!r} must be True or False")
         if name in DTYPE_CHOICES and value not in DTYPE_CHOICES[name]:
             raise TracememError(f"{_flag(name)} {value!r} is invalid; choose one of "

@@ -109,7 +109,7 @@ def test_cli_flags_reach_static(capsys):
 def test_gradient_accumulation_fusion_drops_the_transient_weight_gradients():
     def rank(fusion):
         return estimate(TINY, world_size=1, micro_batch_size=1, seq_length=16,
-                        num_microbatches=1, rounding=None,
+                        num_microbatches=1, rounding=None, kernels="eager",
                         gradient_accumulation_fusion=fusion).ranks[0]
     plain, fused = rank(False), rank(True)
     # without fusion the peak holds an expert weight gradient (8 x 64 x 32 bf16) on its way
@@ -119,3 +119,17 @@ def test_gradient_accumulation_fusion_drops_the_transient_weight_gradients():
     assert plain.gradient_bytes - plain.static.grad_bytes == 2 * 8 * 64 * 32
     assert fused.gradient_bytes == fused.static.grad_bytes  # none in flight
     assert fused.peak_bytes < plain.peak_bytes
+
+
+def test_gradient_accumulation_fusion_is_the_megatron_te_kernel_option():
+    def peak(**kwargs):
+        return estimate(TINY, world_size=1, micro_batch_size=1, seq_length=16,
+                        num_microbatches=1, rounding=None, **kwargs).ranks[0].peak_bytes
+    # megatron-te fuses by default: the flag set on, or the kernel option, change nothing
+    assert peak() == peak(gradient_accumulation_fusion=True) == \
+        peak(kernel_options={"gradient_accumulation_fusion": True})
+    assert peak(gradient_accumulation_fusion=False) == \
+        peak(kernel_options={"gradient_accumulation_fusion": False})
+    with pytest.raises(TracememError, match="disagree; give one"):
+        peak(gradient_accumulation_fusion=False,
+             kernel_options={"gradient_accumulation_fusion": True})
