@@ -230,7 +230,8 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
             segments.events[(chunk, "F", mb)] = tracer.events[start:middle]
             segments.events[(chunk, "B", mb)] = tracer.events[middle:len(tracer.events)]
     # --gradient-accumulation-fusion with kernels that do not fuse: no transient weight grads
-    if par.precision_spec.gradient_accumulation_fusion and kernels.name != "megatron-te":
+    if par.precision_spec.gradient_accumulation_fusion \
+            and get_profile(kernels).name != "megatron-te":
         fused = fused_wgrad_modules(model)
         for key, events in segments.events.items():
             if key[1] in ("B", "I", "W"):
