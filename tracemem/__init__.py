@@ -2,12 +2,18 @@
 meta device."""
 
 from tracemem.categories import Category, Phase
-from tracemem.errors import MissingMetaKernelError, TracememError
+from tracemem.errors import (
+    DataDependentOpError,
+    FusedOptimizerError,
+    MissingMetaKernelError,
+    TracememError,
+)
 from tracemem.parallel import ParallelConfig
 from tracemem.tracer import MemoryEvent, MemoryTracer, StorageInfo
 
 __all__ = ["Category", "Phase", "MemoryTracer", "MemoryEvent", "StorageInfo",
-           "TracememError", "MissingMetaKernelError", "ParallelConfig", "estimate"]
+           "TracememError", "MissingMetaKernelError", "DataDependentOpError",
+           "FusedOptimizerError", "ParallelConfig", "estimate"]
 
 
 def estimate(model, **kwargs):

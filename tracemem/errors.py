@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["TracememError", "MissingMetaKernelError", "divisors_hint"]
+__all__ = ["TracememError", "MissingMetaKernelError", "DataDependentOpError",
+           "FusedOptimizerError", "divisors_hint"]
 
 
 class TracememError(ValueError):
@@ -17,6 +18,25 @@ class MissingMetaKernelError(TracememError):
     ``torch.library.register_fake``, which is all tracemem needs to trace a layer whose real
     kernel is not written yet.
     """
+
+
+class DataDependentOpError(TracememError):
+    """An operator needs tensor values, which the meta device does not have: it reads a value
+    (``Tensor.item()``, ``bool(t)`` as in ``if (mask == 0).any():``, ``int(t)``), makes an
+    output whose shape depends on values (``nonzero``, ``masked_select``, boolean-mask
+    indexing, ``unique``, ``bincount``) or copies values to the host (``.tolist()``,
+    ``.cpu()``).
+
+    The one-line message names the operator, the module path that ran it and how to make the
+    step shape-static (a routing model for token counts, a static output size, or a
+    ``torch.library`` custom op with ``register_fake``).
+    """
+
+
+class FusedOptimizerError(TracememError):
+    """A fused optimizer (``torch.optim.Adam(fused=True)`` and the like) steps parameters on
+    the meta device, which its fused kernels do not support. The message names the optimizer
+    and the way out (``foreach=True``)."""
 
 
 def divisors_hint(n: int, limit: int = 8) -> str:

@@ -26,7 +26,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tracemem.categories import Category, Phase
-from tracemem.errors import MissingMetaKernelError, TracememError
+from tracemem.errors import (
+    DataDependentOpError,
+    FusedOptimizerError,
+    MissingMetaKernelError,
+    TracememError,
+)
 
 __all__ = ["MemoryTracer", "MemoryEvent", "StorageInfo"]
 
@@ -188,6 +193,10 @@ class MemoryTracer(TorchDispatchMode):
         TracememError: ``rounding`` is not ``None`` or a positive int, ``devices`` names an
             unknown device type, or ``at`` is invalid.
         MissingMetaKernelError: an operator has no meta kernel (raised from the traced op).
+        DataDependentOpError: an operator needs tensor values that meta tensors do not have
+            (``.item()``, ``if t.any():``, ``nonzero``, ``masked_select``, boolean-mask
+            indexing, ``.tolist()``); the message names the op, the module and the way out.
+        FusedOptimizerError: a fused optimizer (``Adam(fused=True)``) steps meta parameters.
 
     Example::
 
@@ -479,6 +488,15 @@ class MemoryTracer(TorchDispatchMode):
                     self._retag(value, Category.OPTIMIZER_STATE, module)
 
     def _optimizer_pre_hook(self, optimizer, args, kwargs) -> None:
+        if optimizer.defaults.get("fused") and any(
+                p.device.type == "meta" for group in optimizer.param_groups
+                for p in group["params"]):
+            name = type(optimizer).__name__
+            raise FusedOptimizerError(
+                f"torch.optim.{name}(fused=True) cannot step parameters on the meta device "
+                f"(its fused kernels take only real devices: "
+                f"_device_dtype_check_for_fused in torch/optim/optimizer.py); trace it with "
+                f"torch.optim.{name}(..., foreach=True), which keeps the same states")
         self._optimizers.add(optimizer)
         self._optimizer_depth += 1
 
@@ -534,10 +552,14 @@ class MemoryTracer(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except Exception as error:
-            missing = _missing_meta_kernel(func, args, kwargs, error)
-            if missing is None:
+            where = (f"in module {module!r}" if module else
+                     "in the root module" if self._module_stack else
+                     "at the top level (outside any module)")
+            clear = (_data_dependent(func, args, kwargs, error, where)
+                     or _missing_meta_kernel(func, args, kwargs, error))
+            if clear is None:
                 raise
-            raise missing from error
+            raise clear from error
         if func is _ADD and phase is Phase.BACKWARD and _is_engine_inplace_sum(args, out):
             self._take_over(args[0], out)
         for t in _iter_tensors(out if isinstance(out, (list, tuple)) else (out,)):
@@ -645,6 +667,72 @@ def _is_engine_inplace_sum(args, out) -> bool:
             and old._use_count() == _SOLE_OWNER_TENSOR_REFS
             and torch._C._storage_Use_Count(old.untyped_storage()._cdata)
             == _SOLE_OWNER_STORAGE_REFS)
+
+
+# The way out of each kind of data-dependent op (see _DATA_DEPENDENT_OPS).
+_STATIC_BRANCH = ("make the step shape-static: decide the branch from the config or a routing "
+                  "model (modeling.routing, e.g. tokens per expert) instead of tensor values, "
+                  "or compute both branches and pick with torch.where")
+_STATIC_SHAPE = ("make the shape static: take the counts from a routing model "
+                 "(modeling.routing, as modeling.moe does for tokens per expert), give the size "
+                 "(torch.nonzero_static, repeat_interleave(output_size=)), or wrap the block in a "
+                 "torch.library custom op with register_fake returning the shapes to assume")
+_NO_HOST_COPY = ("keep the values that decide shapes in Python (the config, a routing model "
+                 "from modeling.routing) or wrap the block in a torch.library custom op with "
+                 "register_fake")
+
+# Operators whose result depends on tensor values: what they need, and the way out. Keyed by
+# schema name (no overload). The kernels' meta behaviour: torch/_meta_registrations.py and
+# aten/src/ATen/native (torch 2.13).
+_DATA_DEPENDENT_OPS = {
+    "aten::_local_scalar_dense": (
+        "reads a tensor's value (Tensor.item(), bool(t) as in `if (mask == 0).any():`, int(t), "
+        "float(t))", _STATIC_BRANCH),
+    "aten::is_nonzero": ("reads a tensor's value (bool(t))", _STATIC_BRANCH),
+    "aten::equal": ("reads tensor values (torch.equal)", _STATIC_BRANCH),
+    "aten::nonzero": ("makes an output whose shape depends on tensor values (nonzero, argwhere, "
+                      "torch.where(cond))", _STATIC_SHAPE),
+    "aten::masked_select": ("makes an output whose shape depends on the mask's values",
+                            _STATIC_SHAPE),
+    "aten::index": ("indexes with a boolean mask (t[mask]), whose output shape depends on the "
+                    "mask's values", _STATIC_SHAPE),
+    "aten::_unique": ("makes an output whose shape depends on tensor values (unique)",
+                      _STATIC_SHAPE),
+    "aten::_unique2": ("makes an output whose shape depends on tensor values (unique)",
+                       _STATIC_SHAPE),
+    "aten::unique_dim": ("makes an output whose shape depends on tensor values (unique)",
+                         _STATIC_SHAPE),
+    "aten::unique_consecutive": ("makes an output whose shape depends on tensor values",
+                                 _STATIC_SHAPE),
+    "aten::bincount": ("makes an output whose shape depends on tensor values (bincount)",
+                       _STATIC_SHAPE),
+    "aten::repeat_interleave": ("makes an output whose shape depends on the repeats' values",
+                                _STATIC_SHAPE),
+    "aten::_to_copy": ("copies tensor values to the host (.tolist(), .cpu(), .to('cpu'))",
+                       _NO_HOST_COPY),
+    "aten::copy_": ("copies tensor values to a real device", _NO_HOST_COPY),
+}
+
+# What PyTorch says when an op needs values of a meta tensor.
+_DATA_DEPENDENT_MARKERS = ("cannot be called on meta tensors", "data-independent",
+                           "Cannot copy out of meta tensor", "without output_size")
+
+
+def _data_dependent(func, args, kwargs, error: Exception, where: str
+                    ) -> DataDependentOpError | None:
+    """Turn the errors of ops that need values of meta tensors into one line naming the op,
+    the module that ran it and how to make the step shape-static."""
+    if not any(t.device.type == "meta" for t in _iter_tensors(list(args) + list(kwargs.values()))):
+        return None
+    message = str(error)
+    name = func._schema.name
+    known = _DATA_DEPENDENT_OPS.get(name)
+    if not any(marker in message for marker in _DATA_DEPENDENT_MARKERS):
+        if known is None or not any(marker in message for marker in _MISSING_META_MARKERS):
+            return None
+    what, way_out = known or ("needs tensor values", _STATIC_SHAPE)
+    return DataDependentOpError(
+        f"operator {name} {where} {what}; meta tensors have no values, so {way_out}")
 
 
 def _missing_meta_kernel(func, args, kwargs, error: Exception) -> MissingMetaKernelError | None:

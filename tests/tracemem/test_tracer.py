@@ -13,6 +13,8 @@ from torch.utils.checkpoint import checkpoint
 
 from tracemem import (
     Category,
+    DataDependentOpError,
+    FusedOptimizerError,
     MemoryTracer,
     MissingMetaKernelError,
     Phase,
@@ -335,3 +337,122 @@ def test_v2_router_stage_peak_does_not_grow_with_the_number_of_microbatches():
                                seq_length=64, num_microbatches=m).ranks[1].peak_bytes
              for m in (4, 64)]
     assert peaks[0] == peaks[1]
+
+
+# --------------------------------------------------------------------------- values on meta
+# Meta tensors have shapes and no values. Ops that need values end in one line naming the op,
+# the module path that ran it and the way out (issue 9, item 6). Reference: the ops' meta
+# behaviour in torch 2.13 (torch/_meta_registrations.py; Tensor.item() on meta raises in
+# aten::_local_scalar_dense).
+
+class _Router(nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _in_module(body):
+    model = nn.ModuleDict({"router": nn.ModuleDict({"gate": _Router(body)})})
+    return model, lambda x: model["router"]["gate"](x)
+
+
+_SHAPE_STATIC = r"make the shape static: take the counts from a routing model"
+_BRANCH_STATIC = r"decide the branch from the config or a routing model"
+
+
+def _any_branch(x):
+    mask = x > 0
+    if (mask == 0).any():
+        return x + 1
+    return x
+
+
+@pytest.mark.parametrize("body, op, needs, way_out", [
+    (_any_branch, "aten::_local_scalar_dense", r"if \(mask == 0\)\.any\(\):", _BRANCH_STATIC),
+    (lambda x: x * x.sum().item(), "aten::_local_scalar_dense", r"Tensor\.item\(\)",
+     _BRANCH_STATIC),
+    (lambda x: x.nonzero(), "aten::nonzero", "shape depends on tensor values", _SHAPE_STATIC),
+    (lambda x: x.masked_select(x > 0), "aten::masked_select", "depends on the mask's values",
+     _SHAPE_STATIC),
+    (lambda x: x[x > 0], "aten::index", r"boolean mask \(t\[mask\]\)", _SHAPE_STATIC),
+    (lambda x: x.tolist(), "aten::_to_copy", r"\.tolist\(\)",
+     "keep the values that decide shapes in Python"),
+])
+def test_data_dependent_ops_name_the_op_the_module_and_the_way_out(body, op, needs, way_out):
+    x = torch.empty(4, 8, device=META)
+    model, step = _in_module(body)
+    with pytest.raises(DataDependentOpError,
+                       match=rf"^operator {op} in module 'router\.gate' .*{needs}.*; meta "
+                             rf"tensors have no values, so .*{way_out}"):
+        traced(lambda: step(x), model, x)
+    with pytest.raises(DataDependentOpError) as info:
+        traced(lambda: step(x), model, x)
+    assert "\n" not in str(info.value)
+    assert "register_fake" in str(info.value) or "routing model" in str(info.value)
+
+
+def test_data_dependent_op_outside_modules_and_in_backward_is_located():
+    x = torch.empty(4, device=META)
+    with pytest.raises(DataDependentOpError, match=r"aten::nonzero at the top level"):
+        traced(lambda: x.nonzero(), x)
+
+    class ItemInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * grad.sum().item()
+
+    lin = nn.Linear(4, 4).to(META)
+    model = nn.Sequential(lin, _Router(ItemInBackward.apply)).to(META)
+    with pytest.raises(DataDependentOpError,
+                       match=r"aten::_local_scalar_dense in module '1' reads"):
+        traced(lambda: model(torch.empty(2, 4, device=META)).sum().backward(), model)
+
+
+def test_fused_adam_on_meta_names_the_optimizer_and_foreach():
+    model = nn.Linear(4, 4).to(META)
+    opt = torch.optim.Adam(model.parameters(), fused=True)
+
+    def step():
+        model(torch.empty(2, 4, device=META)).sum().backward()
+        opt.step()
+
+    with pytest.raises(FusedOptimizerError,
+                       match=r"^torch\.optim\.Adam\(fused=True\) cannot step parameters on the "
+                             r"meta device .*foreach=True\), which keeps the same states$"):
+        traced(step, model, opt)
+    foreach = torch.optim.Adam(model.parameters(), foreach=True)
+
+    def step_foreach():
+        model(torch.empty(2, 4, device=META)).sum().backward()
+        foreach.step()
+
+    # (16 + 4) floats * 4 B of exp_avg and exp_avg_sq, two CPU float32 steps of 4 B
+    tracer = traced(step_foreach, model, foreach)
+    assert tracer.by_category(at="now")["optimizer_state"] == 2 * 20 * 4 + 2 * 4
+
+
+def test_data_dependent_op_reached_from_the_cli_is_one_line_and_exit_2(capfd, monkeypatch):
+    # `tracemem validate` traces a case on meta after its real CPU run: a case whose model
+    # branches on values runs on CPU and stops on meta with the one-line error.
+    from tracemem.cli import main
+    from tracemem.validation import cases
+
+    def build(device):
+        model = _Router(_any_branch).to(device)
+        x = torch.randn(4, 8).to(device)
+        return cases.Setup(lambda: model(x), (model, x))
+
+    monkeypatch.setattr(cases, "CASES", (cases.Case("branchy", build, "branches on values"),))
+    assert main(["validate", "--case", "branchy"]) == 2
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1
+    assert err.startswith("tracemem: error: operator aten::_local_scalar_dense in the root "
+                          "module reads a tensor's value")
