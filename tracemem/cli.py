@@ -12,12 +12,15 @@ from tabulate import tabulate
 from tracemem import __version__
 from tracemem.errors import TracememError
 from tracemem.report import (
+    UNIT_NOTES,
     UNITS,
     format_breakdown,
     format_comparisons,
     format_estimate,
     format_estimate_json,
+    format_size,
     get_summary,
+    pick_units,
 )
 
 __all__ = ["build_parser", "main", "add_parallel_arguments", "parallel_config_from_args"]
@@ -46,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     from modeling.block import RECOMPUTE_MODES, RECOMPUTE_MODULES
     from modeling.mla import ATTENTION_KERNELS
     from modeling.moe import EXPERT_KERNELS
-    from tracemem.examples import DTYPES, DemoConfig
+    from tracemem.examples import DTYPES, ToyConfig
     from tracemem.schedules import SCHEDULES
     from tracemem.validation.cases import CASES
     from modeling.kernels import KERNEL_PROFILES
@@ -58,26 +61,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 parser_class=_Parser)
 
-    demo = sub.add_parser(
-        "demo", help="trace one training step of a small built-in transformer and print what "
-                     "is alive at its peak")
-    defaults = DemoConfig()
-    demo.add_argument("--num-layers", type=_positive_int, default=defaults.num_layers,
+    # "toy", not "demo": `make demo` runs `estimate` on DeepSeek-V3; "demo" stays a deprecated
+    # alias that says so (issue 16)
+    toy = sub.add_parser(
+        "toy", aliases=["demo"],
+        help="trace one training step of a small built-in transformer (not DeepSeek) and print "
+             "what is alive at its peak ('demo' is a deprecated alias)")
+    defaults = ToyConfig()
+    toy.add_argument("--num-layers", type=_positive_int, default=defaults.num_layers,
                       help="number of decoder blocks (default %(default)s)")
-    demo.add_argument("--hidden-size", type=_positive_int, default=defaults.hidden_size,
+    toy.add_argument("--hidden-size", type=_positive_int, default=defaults.hidden_size,
                       help="model width h (default %(default)s)")
-    demo.add_argument("--num-attention-heads", type=_positive_int,
+    toy.add_argument("--num-attention-heads", type=_positive_int,
                       default=defaults.num_attention_heads,
                       help="attention heads; must divide --hidden-size (default %(default)s)")
-    demo.add_argument("--seq-length", type=_positive_int, default=defaults.seq_length,
+    toy.add_argument("--seq-length", type=_positive_int, default=defaults.seq_length,
                       help="sequence length s in tokens (default %(default)s)")
-    demo.add_argument("--micro-batch-size", type=_positive_int, default=defaults.micro_batch_size,
+    toy.add_argument("--micro-batch-size", type=_positive_int, default=defaults.micro_batch_size,
                       help="sequences per microbatch b (default %(default)s)")
-    demo.add_argument("--vocab-size", type=_positive_int, default=defaults.vocab_size,
+    toy.add_argument("--vocab-size", type=_positive_int, default=defaults.vocab_size,
                       help="vocabulary size in tokens (default %(default)s)")
-    demo.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype,
+    toy.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype,
                       help="parameter and activation dtype (default %(default)s)")
-    _add_output_flags(demo)
+    _add_output_flags(toy)
 
     params = sub.add_parser(
         "params", help="count a model's parameters: total, activated per token, per component")
@@ -131,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="under --zero 3, gather each unit only at its own backward (FSDP2 "
                            "prefetches the next unit's parameters by default)")
     est.add_argument("--json", action="store_true", help="print JSON, every figure in bytes")
+    est.add_argument("--what-fits", action="store_true",
+                     help="with --hbm, when a rank does not fit: re-estimate single changes "
+                          "(recompute, micro-batch size, ZeRO stage, EP, PP; up to 7 more "
+                          "estimates) and print each one's worst peak")
+    _add_units_flag(est)
     est.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
     inv = sub.add_parser(
@@ -171,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "under a parallel layout, ZeRO stage and precision recipe")
     _add_model_flag(static)
     add_parallel_arguments(static)
+    _add_units_flag(static)
     static.add_argument("--json", action="store_true",
                         help="print JSON (every figure in bytes or elements) instead")
 
@@ -313,23 +325,30 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounding", type=_positive_int, default=None,
                         help="round each storage up to a multiple of this many bytes; 512 is "
                              "the CUDA caching allocator's block (default: exact bytes)")
-    parser.add_argument("--units", choices=list(UNITS), default="GiB",
-                        help="units of the printed tables (default %(default)s; 1 GiB = 2^30 B)")
+    _add_units_flag(parser, default="GiB")
     parser.add_argument("--json", action="store_true",
                         help="print the summary as JSON, every figure in bytes")
 
 
-def _run_demo(args: argparse.Namespace) -> str:
-    from tracemem.examples import DemoConfig, trace_demo
+def _add_units_flag(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+    parser.add_argument("--units", choices=["auto", *UNITS], default=default,
+                        help="units of the printed tables: GiB = 2^30 B, GB = 10^9 B (to "
+                             "compare with logs that print GB), MiB, KiB, B; auto picks the "
+                             "largest binary unit the largest figure fills, so a small model "
+                             "does not read 0.00 (default %(default)s; JSON is always bytes)")
 
-    cfg = DemoConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                     num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                     micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size,
-                     dtype=args.dtype)
-    tracer = trace_demo(cfg, rounding=args.rounding)
+
+def _run_toy(args: argparse.Namespace) -> str:
+    from tracemem.examples import ToyConfig, trace_toy
+
+    cfg = ToyConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                    num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size,
+                    dtype=args.dtype)
+    tracer = trace_toy(cfg, rounding=args.rounding)
     if args.json:
         return json.dumps({"config": vars(cfg), **get_summary(tracer)}, indent=2)
-    title = (f"demo transformer: {cfg.num_layers} layers, h={cfg.hidden_size}, "
+    title = (f"toy transformer: {cfg.num_layers} layers, h={cfg.hidden_size}, "
              f"{cfg.num_attention_heads} heads, b={cfg.micro_batch_size}, s={cfg.seq_length}, "
              f"vocab={cfg.vocab_size}, {cfg.dtype}, Adam; one step traced on the meta device")
     return title + "\n\n" + format_breakdown(tracer, units=args.units)
@@ -368,9 +387,11 @@ def _run_estimate(args: argparse.Namespace) -> str:
     if args.recompute_modules is not None and args.recompute != "selective":
         raise TracememError(f"--recompute-modules applies to --recompute selective, not "
                             f"--recompute {args.recompute}")
+    if args.what_fits and args.hbm is None:
+        raise TracememError("--what-fits needs --hbm (e.g. --hbm 80GiB): the memory to fit in")
     progress = stderr_progress(args.quiet)
-    result = estimate(
-        args.model, world_size=args.world_size, micro_batch_size=args.micro_batch_size,
+    estimate_kwargs = dict(
+        world_size=args.world_size, micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length, num_microbatches=args.num_microbatches,
         schedule_name=args.schedule, recompute=args.recompute,
         recompute_modules=tuple(args.recompute_modules or ("core_attn",)),
@@ -379,9 +400,17 @@ def _run_estimate(args: argparse.Namespace) -> str:
         rounding=args.rounding or None, deallocate_pipeline_outputs=args.deallocate,
         hbm=args.hbm, progress=progress, zero3_prefetch=args.zero3_prefetch,
         kernels=args.kernels, kernel_options=_kernel_options(args), **_layout_kwargs(args))
+    result = estimate(args.model, **estimate_kwargs)
+    fits = None
+    if args.what_fits and any(r.peak_bytes > result.hbm_bytes for r in result.ranks):
+        from tracemem.advice import what_fits
+
+        fits = what_fits(args.model, result, **estimate_kwargs)
     if progress:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
-    return format_estimate_json(result) if args.json else format_estimate(result)
+    if args.json:
+        return format_estimate_json(result, fits)
+    return format_estimate(result, units=args.units, fits=fits)
 
 
 def _run_inventory(args: argparse.Namespace) -> str:
@@ -465,11 +494,12 @@ def _run_static(args: argparse.Namespace) -> str:
     layout["precision_spec"] = par.precision_spec.as_dict()
     if args.json:
         return json.dumps({"model": cfg.name, "parallel": layout, "stages": stages}, indent=2)
-    gib = 2**30
+    units = (pick_units(max(s["total_bytes"] for s in stages)) if args.units == "auto"
+             else args.units)
     rows = [[s["pp_stage"], _span(s["layers"]), f"{s['dense_params']:,}",
-             f"{s['expert_params']:,}", f"{s['param_bytes'] / gib:.2f}",
-             f"{s['grad_bytes'] / gib:.2f}", f"{s['optimizer_bytes'] / gib:.2f}",
-             f"{s['zero3_gather_bytes'] / gib:.2f}", f"{s['total_bytes'] / gib:.2f}"]
+             f"{s['expert_params']:,}"] + [format_size(s[key], units) for key in (
+                 "param_bytes", "grad_bytes", "optimizer_bytes", "zero3_gather_bytes",
+                 "total_bytes")]
             for s in stages]
     recipe = par.precision_spec
     head = (f"{cfg.name}: world {par.world_size} = TP {par.tp} x CP {par.cp} x PP {par.pp} x "
@@ -480,10 +510,11 @@ def _run_static(args: argparse.Namespace) -> str:
             f"({recipe.param_bytes} / "
             f"{recipe.grad_bytes} / {recipe.optimizer_bytes} B per parameter)")
     table = tabulate(rows, headers=["stage", "layers", "dense params", "expert params",
-                                    "params GiB", "grads GiB", "optimizer GiB",
-                                    "ZeRO-3 gather GiB", "total GiB"],
+                                    f"params {units}", f"grads {units}", f"optimizer {units}",
+                                    f"ZeRO-3 gather {units}", f"total {units}"],
                      disable_numparse=True, colalign=("right",) * 9)
-    return head + "\n\n" + table + "\n\n(GiB = 2^30 bytes; one row per pipeline stage)"
+    return (head + "\n\n" + table
+            + f"\n\n({units} = {UNIT_NOTES[units]}; one row per pipeline stage)")
 
 
 def _span(layers: list[int]) -> str:
@@ -525,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        commands = {"crosscheck": _run_crosscheck, "demo": _run_demo,
+        commands = {"crosscheck": _run_crosscheck, "demo": _run_toy, "toy": _run_toy,
                     "estimate": _run_estimate, "inventory": _run_inventory,
                     "params": _run_params, "static": _run_static,
                     "validate": _run_validate}
@@ -534,6 +565,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tracemem: error: {error}".splitlines()[0], file=sys.stderr)
         return 2
     print(out)
+    if args.command == "demo":  # the deprecated alias of toy
+        print("tracemem: note: 'tracemem demo' is now 'tracemem toy' (this small built-in "
+              "transformer); 'make demo' runs 'tracemem estimate' on DeepSeek-V3. The 'demo' "
+              "alias will be removed.", file=sys.stderr)
     return 0
 
 

@@ -1,6 +1,6 @@
-"""The built-in example that ``tracemem demo`` traces until the DeepSeek estimator exists: a
-small decoder-only transformer (eager attention) trained one step with Adam on the meta
-device."""
+"""The built-in toy that ``tracemem toy`` traces (``tracemem demo`` before: renamed because
+``make demo`` runs ``tracemem estimate`` on DeepSeek-V3): a small decoder-only transformer (eager
+attention) trained one step with Adam on the meta device."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from tracemem.errors import TracememError, divisors_hint
 from tracemem.tracer import MemoryTracer
 from tracemem.validation.cases import EagerAttentionBlock
 
-__all__ = ["DemoConfig", "DemoTransformer", "trace_demo"]
+__all__ = ["ToyConfig", "ToyTransformer", "trace_toy"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, kw_only=True)
-class DemoConfig:
-    """Sizes of the demo model and step."""
+class ToyConfig:
+    """Sizes of the toy model and step."""
 
     num_layers: int = 4  # decoder blocks
     hidden_size: int = 1024  # model width h
@@ -47,10 +47,10 @@ class DemoConfig:
                                 f"{', '.join(DTYPES)}")
 
 
-class DemoTransformer(nn.Module):
+class ToyTransformer(nn.Module):
     """Embedding, ``num_layers`` pre-norm blocks, final norm, vocabulary head."""
 
-    def __init__(self, cfg: DemoConfig):
+    def __init__(self, cfg: ToyConfig):
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({
@@ -66,11 +66,11 @@ class DemoTransformer(nn.Module):
         return self.output(self.norm(x))  # (b, s, vocab)
 
 
-def trace_demo(cfg: DemoConfig, rounding: int | None = None) -> MemoryTracer:
-    """Trace one training step (forward, cross-entropy, backward, Adam) of the demo model on
+def trace_toy(cfg: ToyConfig, rounding: int | None = None) -> MemoryTracer:
+    """Trace one training step (forward, cross-entropy, backward, Adam) of the toy model on
     the meta device and return the tracer."""
     with torch.device("meta"):
-        model = DemoTransformer(cfg).to(DTYPES[cfg.dtype])
+        model = ToyTransformer(cfg).to(DTYPES[cfg.dtype])
         tokens = torch.zeros(cfg.micro_batch_size, cfg.seq_length, dtype=torch.long)
         labels = torch.zeros(cfg.micro_batch_size * cfg.seq_length, dtype=torch.long)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,11 +14,16 @@ from tabulate import tabulate
 from tracemem.errors import TracememError
 from tracemem.tracer import MemoryTracer
 
-__all__ = ["UNITS", "to_units", "get_summary", "format_breakdown", "format_comparisons",
-           "get_estimate", "format_estimate", "format_estimate_json"]
+__all__ = ["UNITS", "UNIT_NOTES", "to_units", "pick_units", "format_size", "stage_ranks",
+           "get_verdict", "format_verdict", "get_estimate", "format_estimate",
+           "format_estimate_json",
+           "format_fits", "get_summary", "format_breakdown", "format_comparisons"]
 
-# Binary units only: the field's memory figures are GiB (2^30 B), and "GB" is ambiguous.
-UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+# The field's memory figures are binary (GiB = 2^30 B, as torch.cuda.memory_summary prints);
+# GB (10^9 B) is there to compare with logs and spec sheets that print GB.
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "GB": 10**9}
+UNIT_NOTES = {"B": "bytes", "KiB": "2^10 B", "MiB": "2^20 B", "GiB": "2^30 B", "GB": "10^9 B"}
+_AUTO = ("GiB", "MiB", "KiB", "B")  # what "auto" picks from, largest first
 
 
 def to_units(nbytes: int, units: str) -> float:
@@ -29,6 +35,64 @@ def to_units(nbytes: int, units: str) -> float:
     if units not in UNITS:
         raise TracememError(f"units={units!r} is invalid; choose one of {', '.join(UNITS)}")
     return nbytes / UNITS[units]
+
+
+def pick_units(nbytes: int) -> str:
+    """The largest binary unit in which ``nbytes`` is at least 1: "GiB" for any real training
+    job, "MiB" or "KiB" for a toy one, so its figures do not all read 0.00."""
+    return next((u for u in _AUTO if nbytes >= UNITS[u]), "B")
+
+
+def format_size(nbytes: int, units: str) -> str:
+    """``nbytes`` in ``units`` for a table: 2 decimals ("144.89"), "0" for nothing at all,
+    "<0.01" for a few bytes that would round to 0.00, and whole bytes with separators in
+    "B"."""
+    if units == "B":
+        return f"{nbytes:,}"
+    if nbytes == 0:
+        return "0"
+    text = f"{to_units(nbytes, units):,.2f}"
+    return "<0.01" if text == "0.00" else text
+
+
+def _size_label(nbytes: int, units: str, given: bool = False) -> str:
+    """``144.89 GiB`` in prose; a size the user ``given`` (``--hbm``) without trailing zeros:
+    ``80 GiB``, ``85.9 GB``."""
+    if units == "B":
+        return f"{nbytes:,} B"
+    if given:
+        return f"{to_units(nbytes, units):,.2f}".rstrip("0").rstrip(".") + f" {units}"
+    return f"{format_size(nbytes, units)} {units}"
+
+
+def _spans(ranks: list[int]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for r in ranks:
+        if out and out[-1][1] == r - 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return [(a, b) for a, b in out]
+
+
+def stage_ranks(par) -> dict[int, list[tuple[int, int]]]:
+    """The global ranks of every pipeline stage, as inclusive ``(first, last)`` spans, from
+    ``modeling.parallel.build.coordinates`` (Megatron's rank order: TP fastest, PP slowest, so
+    each stage is one span: stage 1 of 1024 GPUs at PP 16 is ranks 64-127)."""
+    from modeling.parallel.build import coordinates
+
+    by_stage: dict[int, list[int]] = {stage: [] for stage in range(par.pp)}
+    for rank in range(par.world_size):
+        by_stage[coordinates(par, rank).pp_rank].append(rank)
+    return {stage: _spans(ranks) for stage, ranks in by_stage.items()}
+
+
+def _format_spans(spans: list[tuple[int, int]]) -> str:
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _format_stages(stages: list[int]) -> str:
+    return _format_spans(_spans(stages))
 
 
 def get_summary(tracer: MemoryTracer, top_modules: int = 10) -> dict[str, Any]:
@@ -104,13 +168,52 @@ _RANK_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "a
                 "zero3_gather_bytes")
 
 
-def get_estimate(result) -> dict[str, Any]:
+def get_verdict(result) -> dict[str, Any]:
+    """Whether the job fits, as plain data: ``pp_stages`` (count), ``stages_over_hbm`` (the
+    pipeline stages with a rank over ``hbm_bytes``; None without ``--hbm``), ``fits`` (None
+    without ``--hbm``), and the worst rank (``worst_pp_stage``, ``worst_ep_rank``,
+    ``worst_peak_bytes``)."""
+    hbm = result.hbm_bytes
+    stages = sorted({r.pp_stage for r in result.ranks})
+    over = None if hbm is None else sorted({r.pp_stage for r in result.ranks
+                                            if r.peak_bytes > hbm})
+    worst = result.worst
+    return {"pp_stages": len(stages), "hbm_bytes": hbm, "stages_over_hbm": over,
+            "fits": None if over is None else not over, "worst_pp_stage": worst.pp_stage,
+            "worst_ep_rank": worst.ep_rank, "worst_peak_bytes": worst.peak_bytes}
+
+
+def format_verdict(verdict: dict[str, Any], units: str = "GiB") -> str:
+    """One line: "11 of 16 pipeline stages exceed 80 GiB (stages 0-10); the worst is stage 1
+    at 144.89 GiB." """
+    units = pick_units(verdict["worst_peak_bytes"]) if units == "auto" else units
+    where = f"stage {verdict['worst_pp_stage']}" + (
+        "" if verdict["worst_ep_rank"] is None else f" (EP rank {verdict['worst_ep_rank']})")
+    worst = f"the worst is {where} at {_size_label(verdict['worst_peak_bytes'], units)}"
+    n, over, hbm = verdict["pp_stages"], verdict["stages_over_hbm"], verdict["hbm_bytes"]
+    if over is None:
+        return f"Verdict: {worst}; give --hbm (e.g. 80GiB) to say whether it fits."
+    stage_word = "pipeline stage" if n == 1 else "pipeline stages"
+    if not over:
+        spare = hbm - verdict["worst_peak_bytes"]
+        return (f"Verdict: all {n} {stage_word} fit in {_size_label(hbm, units, given=True)}; "
+                f"{worst} ({_size_label(spare, units)} to spare).")
+    listed = "stage" if len(over) == 1 else "stages"
+    exceed = "exceeds" if len(over) == 1 else "exceed"
+    return (f"Verdict: {len(over)} of {n} {stage_word} {exceed} "
+            f"{_size_label(hbm, units, given=True)} ({listed} {_format_stages(over)}); {worst}.")
+
+
+def get_estimate(result, fits: Sequence[Any] | None = None) -> dict[str, Any]:
     """An ``Estimate`` as JSON-ready data, every figure in bytes (documented in
-    docs/estimate.md)."""
+    docs/estimate.md); with ``fits`` (``tracemem.advice.what_fits``), its candidates under
+    ``what_fits``."""
     par = result.parallel
+    spans = stage_ranks(par)
     ranks = []
     for r in result.ranks:
         row = {"pp_stage": r.pp_stage, "ep_rank": r.ep_rank, "rank": r.rank,
+               "stage_ranks": [list(span) for span in spans[r.pp_stage]],
                "layers": r.layers, "inflight_microbatches": r.inflight_microbatches,
                "peak_step": r.peak_step, "peak_bytes": r.peak_bytes}
         row.update({name: getattr(r, name) for name in _RANK_FIELDS})
@@ -119,7 +222,7 @@ def get_estimate(result) -> dict[str, Any]:
         row["largest_storages"] = r.largest
         ranks.append(row)
     worst = result.worst
-    return {
+    out = {
         "model": result.model,
         "parallel": {k: getattr(par, k) for k in ("world_size", "tp", "sp", "cp", "ep", "etp",
                                                    "pp", "vpp", "dp", "edp", "zero",
@@ -130,31 +233,95 @@ def get_estimate(result) -> dict[str, Any]:
         "ranks": ranks,
         "worst": {"pp_stage": worst.pp_stage, "ep_rank": worst.ep_rank,
                   "peak_bytes": worst.peak_bytes, "dominant": worst.dominant()[0]},
+        "verdict": get_verdict(result),
     }
+    if fits is not None:
+        out["what_fits"] = [candidate.as_dict() for candidate in fits]
+    return out
 
 
-def format_estimate_json(result) -> str:
+def format_estimate_json(result, fits: Sequence[Any] | None = None) -> str:
     """``get_estimate`` as indented JSON."""
-    return json.dumps(get_estimate(result), indent=2)
+    return json.dumps(get_estimate(result, fits), indent=2)
 
 
-def format_estimate(result) -> str:
-    """One row per rank class, in GiB, and a line naming the worst rank."""
-    gib = 2**30
+_STEP_KINDS = {"F": "forward", "B": "backward", "I": "input-gradient backward",
+               "W": "weight-gradient backward"}
+_STEP = re.compile(r"^([0-9]+)([A-Z])([0-9]+)$")  # tracemem.schedules.Step notation
+
+
+def _legend(result, units: str) -> list[str]:
+    """Short lines under the estimate table: what each non-obvious column means, derived from
+    this run (precision recipe, rank order, routing, the worst rank's step)."""
+    par = result.parallel
+    lines = [f"Memory columns in {units} ({UNIT_NOTES[units]}): what is alive at each row's "
+             f"peak."]
+    per_stage = par.world_size // par.pp
+    lines.append(f"ranks: the stage's global ranks, {per_stage} per stage (Megatron's rank "
+                 f"order: TP fastest, then CP, DP, and PP slowest).")
+    if all(r.ep_rank is None for r in result.ranks):
+        if par.ep > 1:
+            lines.append(f'EP rank "-": the stage\'s {par.ep} EP ranks hold the same under '
+                         f"{result.settings.get('routing', 'balanced')} routing, so one traced "
+                         f"rank stands for all.")
+        else:
+            lines.append('EP rank "-": no expert parallelism (EP 1).')
+    else:
+        lines.append(f"EP rank: the stage's most loaded EP rank under routing "
+                     f"{result.settings.get('routing')} (the one traced).")
+    recipe = par.precision_spec  # the --precision recipe with any precision flags applied
+    kinds = {1: "fp8", 2: "bf16", 4: "fp32"}
+    g, p = recipe.grad_bytes, recipe.param_bytes
+    line = (f"grads: {g} B ({kinds.get(g, '?')} main grads) per parameter against {p} B "
+            f"({kinds.get(p, '?')}) for params under --precision {par.precision}")
+    if g == 2 * p and par.zero != 2:
+        line += ", hence twice params"
+    elif par.zero == 2:
+        line += "; ZeRO-2 shards the grads, not the params"
+    lines.append(line + ".")
+    held = ("microbatch forwards" if par.vpp == 1 else
+            "model-chunk forwards (up to M x VPP)")
+    lines.append(f"in-flight: {held} held at the peak, their activations kept for backward.")
+    worst = result.worst.peak_step or next((r.peak_step for r in result.ranks if r.peak_step),
+                                           None)
+    match = _STEP.match(worst or "")
+    if match:
+        stage = "virtual stage" if par.vpp > 1 else "stage"
+        seen = {m[2] for r in result.ranks if (m := _STEP.match(r.peak_step or ""))}
+        kinds = ", ".join(f"{k} = {v}" for k, v in _STEP_KINDS.items() if k in seen | {"F", "B"})
+        lines.append(f"at step: the schedule step running at the peak, {stage} + kind + "
+                     f"microbatch: {worst} = {stage} {match[1]}, "
+                     f"{_STEP_KINDS.get(match[2], match[2])}, microbatch {match[3]} "
+                     f"({kinds}).")
+    return lines
+
+
+def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = None) -> str:
+    """One row per rank class, in ``units`` (one of ``UNITS``, or "auto": ``pick_units`` of
+    the worst peak), a legend, the worst rank, the verdict, and with ``fits``
+    (``tracemem.advice.what_fits``) what would fit."""
+    if units == "auto":
+        units = pick_units(result.worst.peak_bytes)
+    elif units not in UNITS:
+        to_units(0, units)  # raises, naming the valid units
+    spans = stage_ranks(result.parallel)
     rows = []
     for r in result.ranks:
-        fits = "" if result.hbm_bytes is None else ("yes" if r.peak_bytes <= result.hbm_bytes
-                                                    else "NO")
-        rows.append([r.pp_stage, "-" if r.ep_rank is None else r.ep_rank,
-                     f"{r.parameter_bytes / gib:.2f}", f"{r.gradient_bytes / gib:.2f}",
-                     f"{r.optimizer_state_bytes / gib:.2f}", f"{r.activation_bytes / gib:.2f}",
-                     r.inflight_microbatches, f"{r.comm_buffer_bytes / gib:.2f}",
-                     f"{r.temporary_bytes / gib:.2f}", f"{r.peak_bytes / gib:.2f}",
-                     r.peak_step or "-"] + ([fits] if fits else []))
-    headers = ["stage", "EP rank", "params", "grads", "optimizer", "activations", "in-flight",
-               "comm", "temporaries", "peak", "at step"]
+        fits_cell = "" if result.hbm_bytes is None else ("yes" if r.peak_bytes <= result.hbm_bytes
+                                                         else "NO")
+        rows.append([r.pp_stage, _format_spans(spans[r.pp_stage]),
+                     "-" if r.ep_rank is None else r.ep_rank]
+                    + [format_size(n, units) for n in (
+                        r.parameter_bytes, r.gradient_bytes, r.optimizer_state_bytes,
+                        r.activation_bytes)]
+                    + [r.inflight_microbatches]
+                    + [format_size(n, units) for n in (
+                        r.comm_buffer_bytes, r.temporary_bytes, r.peak_bytes)]
+                    + [r.peak_step or "-"] + ([fits_cell] if fits_cell else []))
+    headers = ["stage", "ranks", "EP rank", "params", "grads", "optimizer", "activations",
+               "in-flight", "comm", "temporaries", "peak", "at step"]
     if result.hbm_bytes is not None:
-        headers.append(f"fits {result.hbm_bytes / gib:g} GiB")
+        headers.append(f"fits {_size_label(result.hbm_bytes, units, given=True)}")
     par, st = result.parallel, result.settings
     head = (f"{result.model}: world {par.world_size} (TP {par.tp}{' + SP' if par.sp else ''}, "
             f"CP {par.cp}, PP {par.pp}, VPP {par.vpp}, DP {par.dp}; EP {par.ep}, ETP {par.etp}, "
@@ -167,11 +334,43 @@ def format_estimate(result) -> str:
     item, size = worst.dominant()
     where = f"stage {worst.pp_stage}" + ("" if worst.ep_rank is None else
                                           f", EP rank {worst.ep_rank}")
-    held = (f"{worst.inflight_microbatches} microbatches in flight" if par.vpp == 1 else
-            f"{worst.inflight_microbatches} model-chunk forwards in flight")
-    tail = (f"Worst rank: {where}, peak {worst.peak_bytes / gib:.2f} GiB at step "
+    n = worst.inflight_microbatches
+    held = (f"{n} microbatch{'' if n == 1 else 'es'} in flight" if par.vpp == 1 else
+            f"{n} model-chunk forward{'' if n == 1 else 's'} in flight")
+    tail = (f"Worst rank: {where}, peak {_size_label(worst.peak_bytes, units)} at step "
             f"{worst.peak_step or '-'} with {held}; "
-            f"largest item: {item} ({size / gib:.2f} GiB).")
-    return "\n".join([head, "", table, "", "(memory columns in GiB = 2^30 bytes, alive at each "
-                       "rank's peak; in-flight = forwards held, counted in model chunks: up to "
-                       "M x VPP with VPP > 1)", tail])
+            f"largest item: {item} ({_size_label(size, units)}).")
+    lines = [head, "", table, "", *_legend(result, units), "", tail,
+             format_verdict(get_verdict(result), units)]
+    if fits is not None:
+        lines += ["", format_fits(fits, result, units)]
+    return "\n".join(lines)
+
+
+def format_fits(fits: Sequence[Any], result, units: str = "GiB") -> str:
+    """The ``what_fits`` candidates as a table: each single change, its worst peak (re-estimated)
+    and the stages still over ``--hbm``; the ones that fit first."""
+    units = pick_units(result.worst.peak_bytes) if units == "auto" else units
+    hbm = (_size_label(result.hbm_bytes, units, given=True) if result.hbm_bytes is not None
+           else "--hbm")
+    tried = [c for c in fits if c.skipped is None]
+    skipped = [c for c in fits if c.skipped is not None]
+    if not tried and not skipped:
+        return f"What would fit in {hbm}: nothing to try."
+    fitting = sum(c.fits for c in tried)
+    lead = (f"What would fit in {hbm}: each line changes one setting and re-estimates every "
+            f"stage ({fitting} of {len(tried)} fit"
+            + ("" if fitting else "; no single change is enough") + "):")
+    rows = [[c.change, format_size(c.worst_peak_bytes, units), c.worst_pp_stage,
+             len(c.stages_over_hbm), "yes" if c.fits else "NO"] for c in tried]
+    lines = [lead]
+    if rows:
+        table = tabulate(rows, headers=["change", f"worst peak {units}", "at stage",
+                                        f"stages over {hbm}", "fits"],
+                         disable_numparse=True, colalign=("left", "right", "right", "right",
+                                                          "right"))
+        lines.append(table)
+    notes = sorted({c.note for c in tried if c.note})
+    lines += [f"({note})" for note in notes]
+    lines += [f"Not tried: {c.change}: {c.skipped}" for c in skipped]
+    return "\n".join(lines)

@@ -10,7 +10,7 @@ import pytest
 from tracemem.cli import build_parser, main
 from tracemem.report import to_units
 
-TINY = ["demo", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+TINY = ["toy", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "16", "--vocab-size", "100", "--dtype", "float32"]
 
 # embedding 100*64; block: 2 LayerNorms 2*(64+64), wqkv 64*192, wo 64*64,
@@ -19,7 +19,7 @@ TINY_PARAMS = 100 * 64 + 2 * 128 + 64 * 192 + 64 * 64 + 64 * 256 + 256 + 256 * 6
     + 64 * 100
 
 
-def test_demo_json_reports_parameters_gradients_and_adam_states_at_the_peak(capsys):
+def test_toy_json_reports_parameters_gradients_and_adam_states_at_the_peak(capsys):
     assert main(TINY + ["--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     categories = summary["by_category"]
@@ -30,7 +30,7 @@ def test_demo_json_reports_parameters_gradients_and_adam_states_at_the_peak(caps
     assert summary["peak_bytes"] == sum(categories.values())
 
 
-def test_demo_table_prints_gib(capsys):
+def test_toy_table_prints_gib(capsys):
     assert main(TINY) == 0
     out = capsys.readouterr().out
     assert "GiB" in out and "optimizer_state" in out and "% of peak" in out
@@ -45,14 +45,16 @@ def test_validate_json_matches_the_real_peak(capsys):
 @pytest.mark.parametrize("argv, message", [
     (TINY[:-2] + ["--num-attention-heads", "5"],
      "--num-attention-heads 5 must divide --hidden-size 64; try"),
+    (["toy", "--seq-length", "0"], "argument --seq-length: 0 must be a positive integer"),
+    (["toy", "--micro-batch-size", "two"], "argument --micro-batch-size: 'two' is not an integer"),
+    (["toy", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    (["toy", "--units", "TB"], "argument --units: invalid choice: 'TB'"),
+    (["estimate", "--units", "gib"], "argument --units: invalid choice: 'gib'"),
     (["demo", "--seq-length", "0"], "argument --seq-length: 0 must be a positive integer"),
-    (["demo", "--micro-batch-size", "two"], "argument --micro-batch-size: 'two' is not an integer"),
-    (["demo", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
-    (["demo", "--units", "GB"], "argument --units: invalid choice: 'GB'"),
     (["validate", "--case", "nope"], "argument --case: invalid choice: 'nope'"),
     (["trace"], "argument COMMAND: invalid choice: 'trace'"),
     (["estimate"], "the following arguments are required: --model, --world-size"),
-    (["demo", "--tp", "2"], "unrecognized arguments: --tp 2"),
+    (["toy", "--tp", "2"], "unrecognized arguments: --tp 2"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -74,5 +76,7 @@ def test_every_flag_has_help():
 
 def test_units_whitelist():
     assert to_units(3 * 2**30, "GiB") == 3.0
-    with pytest.raises(ValueError, match="units='GB' is invalid; choose one of B, KiB, MiB, GiB"):
-        to_units(1, "GB")
+    assert to_units(3 * 10**9, "GB") == 3.0
+    with pytest.raises(ValueError,
+                       match="units='TB' is invalid; choose one of B, KiB, MiB, GiB, GB"):
+        to_units(1, "TB")

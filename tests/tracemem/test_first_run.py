@@ -1,0 +1,204 @@
+"""A new user's first run (issue 16 items 2-5): one name per thing, a table that explains itself,
+a verdict, what would fit (each change re-estimated), and units that show small figures.
+
+References: Megatron-Core's rank order (megatron/core/parallel_state.py, order "tp-cp-ep-dp-pp":
+PP slowest, so stage p of world W at PP P is ranks p * W / P to (p + 1) * W / P - 1); the
+megatron precision recipe (bf16 parameters 2 B, fp32 main grads 4 B: Megatron-LM
+theoretical_memory_usage); hand arithmetic for units; a direct ``estimate`` run of each
+change for the what-fits figures.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from modeling.config import load_config
+from tracemem.advice import what_fits
+from tracemem.cli import main
+from tracemem.estimator import estimate
+from tracemem.parallel import ParallelConfig
+from tracemem.schedules import Step
+from tracemem.report import (
+    format_estimate,
+    format_size,
+    format_verdict,
+    get_estimate,
+    get_verdict,
+    pick_units,
+    stage_ranks,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = dict(world_size=4, tp=2, sp=True, pp=2, micro_batch_size=2, seq_length=64,
+            num_microbatches=4, experts="sequential")
+TOY = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+       "--seq-length", "16", "--vocab-size", "100", "--dtype", "float32", "--json"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return estimate("deepseek-tiny", **TINY)
+
+
+# item 2: `make demo` is the DeepSeek-V3 estimate; the toy transformer is `tracemem toy`
+
+def test_make_demo_runs_estimate_and_the_toy_has_its_own_name(capsys):
+    makefile = (ROOT / "Makefile").read_text()
+    demo = makefile[makefile.index("\ndemo:"):].splitlines()[2]
+    assert demo.strip() == "$(BIN)/tracemem estimate $(DEMO_ARGS)"
+    assert main(["toy", *TOY]) == 0
+    toy = capsys.readouterr()
+    assert toy.err == ""
+    assert main(["demo", *TOY]) == 0  # the deprecated alias: same output, and it says so
+    alias = capsys.readouterr()
+    assert alias.out == toy.out
+    assert alias.err.strip() == (
+        "tracemem: note: 'tracemem demo' is now 'tracemem toy' (this small built-in "
+        "transformer); 'make demo' runs 'tracemem estimate' on DeepSeek-V3. The 'demo' alias "
+        "will be removed.")
+
+
+# item 3: ranks per stage, EP rank, step notation and gradients explained
+
+def test_stage_ranks_follow_megatrons_order():
+    par = ParallelConfig.create(load_config("deepseek-v3"), world_size=1024, tp=2, sp=True,
+                                pp=16, ep=8, pp_first_stage_layers=4, pp_last_stage_layers=1)
+    spans = stage_ranks(par)
+    # 1024 / 16 = 64 ranks per stage, PP outermost: stage 1 = ranks 64-127
+    assert spans[0] == [(0, 63)] and spans[1] == [(64, 127)] and spans[15] == [(960, 1023)]
+
+
+def test_the_table_explains_itself(tiny):
+    out = format_estimate(tiny, units="MiB")
+    lines = out.splitlines()
+    header = next(line for line in lines if line.strip().startswith("stage"))
+    assert header.split()[:4] == ["stage", "ranks", "EP", "rank"] and "at step" in header
+    rows = [line.split() for line in lines if line.strip()[:1].isdigit()]
+    # world 4, PP 2: stage 0 = ranks 0-1, stage 1 = ranks 2-3 (TP 2 fastest)
+    assert [row[:3] for row in rows] == [["0", "0-1", "-"], ["1", "2-3", "-"]]
+    assert "Memory columns in MiB (2^20 B): what is alive at each row's peak." in lines
+    assert ("ranks: the stage's global ranks, 2 per stage (Megatron's rank order: TP fastest, "
+            "then CP, DP, and PP slowest).") in lines
+    assert 'EP rank "-": no expert parallelism (EP 1).' in lines
+    assert ("grads: 4 B (fp32 main grads) per parameter against 2 B (bf16) for params under "
+            "--precision megatron, hence twice params.") in lines
+    step = Step.parse(tiny.worst.peak_step)  # e.g. 1B0: stage 1, backward, microbatch 0
+    kind = {"F": "forward", "B": "backward"}[step.kind]
+    assert (f"at step: the schedule step running at the peak, stage + kind + microbatch: "
+            f"{step} = stage {step.stage}, {kind}, microbatch {step.microbatch} "
+            f"(F = forward, B = backward).") in lines
+    for r in tiny.ranks:  # ZeRO-1: gradients unsharded, 4 B against 2 B
+        assert r.gradient_bytes >= 2 * r.parameter_bytes
+
+
+def test_ep_rank_dash_is_explained_under_expert_parallelism():
+    result = estimate("deepseek-tiny", world_size=4, ep=4, pp=1, micro_batch_size=2,
+                      seq_length=32, num_microbatches=2, experts="sequential")
+    assert ('EP rank "-": the stage\'s 4 EP ranks hold the same under balanced routing, so '
+            "one traced rank stands for all.") in format_estimate(result).splitlines()
+
+
+def test_json_gives_the_ranks_of_each_stage(tiny):
+    data = get_estimate(tiny)
+    assert [r["stage_ranks"] for r in data["ranks"]] == [[[0, 1]], [[2, 3]]]
+
+
+# item 4: a verdict, and what would fit (each change re-estimated)
+
+def _between(tiny):
+    """An HBM size between the two stages' peaks, in bytes, so that stage 1 alone is over."""
+    low, high = sorted(r.peak_bytes for r in tiny.ranks)
+    assert tiny.worst.pp_stage == 1 and low < high
+    return (low + high) // 2
+
+
+def test_verdict_counts_the_stages_over_hbm(tiny):
+    hbm, peak = _between(tiny), tiny.worst.peak_bytes
+    over = estimate("deepseek-tiny", hbm=f"{hbm}B", **TINY)
+    verdict = get_verdict(over)
+    assert verdict["stages_over_hbm"] == [1] and verdict["fits"] is False
+    assert format_verdict(verdict, "B") == (
+        f"Verdict: 1 of 2 pipeline stages exceeds {hbm:,} B (stage 1); the worst is stage 1 at "
+        f"{peak:,} B.")
+    fits = estimate("deepseek-tiny", hbm="64MiB", **TINY)
+    assert format_verdict(get_verdict(fits), "MiB") == (
+        f"Verdict: all 2 pipeline stages fit in 64 MiB; the worst is stage 1 at "
+        f"{peak / 2**20:.2f} MiB ({(64 * 2**20 - peak) / 2**20:.2f} MiB to spare).")
+    assert format_verdict(get_verdict(tiny), "MiB").endswith(
+        "give --hbm (e.g. 80GiB) to say whether it fits.")
+
+
+def test_what_fits_re_estimates_each_change(tiny):
+    hbm = _between(tiny)
+    kwargs = dict(TINY, hbm=f"{hbm}B")
+    base = estimate("deepseek-tiny", **kwargs)
+    candidates = what_fits("deepseek-tiny", base, **kwargs)
+    by_change = {c.change: c for c in candidates}
+    assert set(by_change) == {
+        "--recompute selective", "--recompute full",
+        "--micro-batch-size 1 --num-microbatches 8", "--zero 2", "--zero 3", "--ep 2",
+        "--pp 4 --num-microbatches 8"}
+    # each figure is that of a direct estimate with the change
+    full = estimate("deepseek-tiny", **dict(kwargs, recompute="full"))
+    assert by_change["--recompute full"].worst_peak_bytes == full.worst.peak_bytes
+    assert by_change["--recompute full"].fits == (full.worst.peak_bytes <= hbm)
+    half = estimate("deepseek-tiny", **dict(kwargs, micro_batch_size=1, num_microbatches=8))
+    assert by_change["--micro-batch-size 1 --num-microbatches 8"].worst_peak_bytes \
+        == half.worst.peak_bytes
+    # world 4 at TP 2 has no room for PP 4: skipped with the validator's message
+    assert by_change["--pp 4 --num-microbatches 8"].skipped == (
+        "--world-size 4 is not a multiple of tp(2) * cp(1) * pp(4) = 8; DP would not be an "
+        "integer; try 8")
+    tried = [c for c in candidates if c.skipped is None]
+    assert tried == sorted(tried, key=lambda c: (not c.fits, c.worst_peak_bytes))
+    data = get_estimate(base, candidates)
+    assert data["what_fits"][0]["change"] == tried[0].change
+    assert data["verdict"]["stages_over_hbm"] == [1]
+    text = format_estimate(base, units="B", fits=candidates)
+    assert (f"What would fit in {hbm:,} B: each line changes one setting and re-estimates "
+            f"every stage") in text
+    assert ("Not tried: --pp 4 --num-microbatches 8: --world-size 4 is not a multiple of "
+            "tp(2)") in text
+
+
+def test_what_fits_needs_hbm(capsys, tiny):
+    with pytest.raises(ValueError, match=r"what_fits needs hbm \(e.g. --hbm 80GiB\)"):
+        what_fits("deepseek-tiny", tiny, **TINY)
+    assert main(["estimate", "--model", "deepseek-tiny", "--world-size", "4",
+                 "--micro-batch-size", "1", "--seq-length", "16", "--num-microbatches", "1",
+                 "--what-fits", "--quiet"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "tracemem: error: --what-fits needs --hbm (e.g. --hbm 80GiB): the memory to fit in")
+
+
+# item 5: units
+
+def test_units_by_hand():
+    assert format_size(3 * 2**30 // 2, "GiB") == "1.50"
+    assert format_size(10**9, "GB") == "1.00" and format_size(10**9, "GiB") == "0.93"
+    assert format_size(2**20 * 5, "MiB") == "5.00"
+    assert format_size(1234567, "B") == "1,234,567"
+    assert format_size(0, "GiB") == "0" and format_size(512, "GiB") == "<0.01"
+    assert pick_units(80 * 2**30) == "GiB" and pick_units(4 * 2**20) == "MiB"
+    assert pick_units(2**30 - 1) == "MiB" and pick_units(1000) == "B"
+
+
+def test_small_models_do_not_read_zero(capsys, tiny):
+    # deepseek-tiny peaks at a few MiB: auto picks MiB; in GiB every figure would be < 0.01
+    assert tiny.worst.peak_bytes < 2**30
+    auto = format_estimate(tiny, units="auto")
+    assert "Memory columns in MiB (2^20 B)" in auto
+    assert "0.00" not in format_estimate(tiny, units="GiB")
+    assert main(["static", "--model", "deepseek-tiny", "--world-size", "4", "--tp", "2",
+                 "--pp", "2", "--units", "B"]) == 0
+    out = capsys.readouterr().out
+    assert "params B" in out and "(B = bytes; one row per pipeline stage)" in out
+    assert main(["static", "--model", "deepseek-tiny", "--world-size", "4", "--tp", "2",
+                 "--pp", "2", "--json"]) == 0
+    stage1 = json.loads(capsys.readouterr().out)["stages"][1]
+    assert main(["static", "--model", "deepseek-tiny", "--world-size", "4", "--tp", "2",
+                 "--pp", "2", "--units", "MiB"]) == 0
+    row = next(line.split() for line in capsys.readouterr().out.splitlines()
+               if line.split()[:2] == ["1", "2-3"])
+    assert row[-1] == f"{stage1['total_bytes'] / 2**20:.2f}"

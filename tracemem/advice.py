@@ -1,0 +1,158 @@
+"""``what_fits``: for a job whose worst rank does not fit in ``--hbm``, re-run ``estimate`` with
+one setting changed at a time and report each change's worst peak. Every figure is estimated
+(a full ``estimate`` of every stage), none is guessed or scaled.
+
+The changes tried, each on its own, at most seven (a bounded search, about one estimate each):
+- ``--recompute selective`` (Megatron's default module, core_attn) when recompute is none;
+- ``--recompute full`` unless it is already full;
+- ``--micro-batch-size b/2`` with ``--num-microbatches 2M`` (the global batch b x M x DP kept)
+  when b is even;
+- the next ZeRO stage, and ZeRO-3, when higher than the current one;
+- ``--ep 2 x EP`` (EDP halves; dense DP and the global batch unchanged);
+- ``--pp 2 x PP`` with ``--num-microbatches 2M`` (DP halves, so 2M keeps the global batch)
+  and a layout that the validator accepts (``tracemem.parallel.suggest_ends`` /
+  ``suggest_layout``).
+A change the validator rejects (EP not dividing the experts, a world size that is no longer a
+multiple) is reported as skipped with the validator's own message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tracemem.errors import TracememError
+
+__all__ = ["FitCandidate", "what_fits"]
+
+_LAYOUT_KEYS = ("pp_layout", "pp_first_stage_layers", "pp_last_stage_layers")
+
+
+@dataclass(frozen=True)
+class FitCandidate:
+    """One single change and its re-estimated outcome (plain data; ``as_dict`` for JSON).
+
+    Attributes:
+        change: the flags to add or replace, as typed on the command line.
+        changes: the ``estimate`` keywords changed, with their new values.
+        note: why more than one flag changes (the global batch kept), or "".
+        skipped: the validator's message when the change is not possible here, else None.
+        worst_peak_bytes, worst_pp_stage, worst_ep_rank: the worst rank of the re-estimate
+            (None when skipped).
+        stages_over_hbm: pipeline stages with a rank still over ``hbm``.
+        fits: every rank fits in ``hbm``.
+    """
+
+    change: str
+    changes: dict[str, Any]
+    note: str = ""
+    skipped: str | None = None
+    worst_peak_bytes: int | None = None
+    worst_pp_stage: int | None = None
+    worst_ep_rank: int | None = None
+    stages_over_hbm: list[int] = field(default_factory=list)
+    fits: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["changes"] = {k: list(v) if isinstance(v, tuple) else v
+                          for k, v in self.changes.items()}
+        return out
+
+
+def _candidates(cfg, base) -> list[tuple[str, dict[str, Any], str, str | None]]:
+    """``(flags, estimate keywords, note, skipped)`` of every single change to try."""
+    from tracemem.parallel import format_layout, suggest_ends, suggest_layout
+
+    par, st = base.parallel, base.settings
+    b, m = st["micro_batch_size"], st["num_microbatches"]
+    out: list[tuple[str, dict[str, Any], str, str | None]] = []
+    if st["recompute"] == "none":
+        out.append(("--recompute selective", {"recompute": "selective"}, "", None))
+    if st["recompute"] != "full":
+        out.append(("--recompute full", {"recompute": "full"}, "", None))
+    if b % 2 == 0:
+        out.append((f"--micro-batch-size {b // 2} --num-microbatches {2 * m}",
+                    {"micro_batch_size": b // 2, "num_microbatches": 2 * m},
+                    "--num-microbatches doubles where b halves or DP halves: the same global "
+                    "batch", None))
+    else:
+        out.append(("a smaller --micro-batch-size", {}, "",
+                    f"--micro-batch-size {b} cannot be halved"))
+    for zero in sorted({par.zero + 1, 3}):
+        if zero > par.zero:
+            out.append((f"--zero {zero}", {"zero": zero}, "", None))
+    out.append((f"--ep {2 * par.ep}", {"ep": 2 * par.ep}, "", None))
+    pp, stages = 2 * par.pp, 2 * par.pp * par.vpp
+    layers = cfg.num_layers
+    if stages > layers:
+        out.append((f"--pp {pp}", {}, "", f"pp * vpp = {stages} stages is more than the "
+                                           f"model's {layers} layers"))
+        return out
+    changes: dict[str, Any] = {"pp": pp, "num_microbatches": 2 * m}
+    if layers % stages == 0:
+        flags = ""
+    elif par.vpp == 1:
+        first, last = suggest_ends(layers, stages)
+        changes |= {"pp_first_stage_layers": first, "pp_last_stage_layers": last}
+        flags = f" --pp-first-stage-layers {first} --pp-last-stage-layers {last}"
+    else:
+        layout = suggest_layout(layers, stages)
+        changes["pp_layout"] = layout
+        flags = f" --pp-layout {format_layout(layout)}"
+    out.append((f"--pp {pp}{flags} --num-microbatches {2 * m}", changes,
+                "--num-microbatches doubles where b halves or DP halves: the same global batch",
+                None))
+    return out
+
+
+def what_fits(model, base, *, progress: Callable[[str], None] | None = None,
+              **estimate_kwargs) -> list[FitCandidate]:
+    """Re-estimate ``base`` (an ``Estimate`` of ``model`` with an ``hbm``) with one setting
+    changed at a time (the module docstring lists them) and return every candidate, those
+    that fit first, then by worst peak.
+
+    Args:
+        model: what ``base`` was estimated for (a preset, a config.json path or a
+            ``ModelConfig``).
+        base: the ``Estimate`` to improve on; it needs ``hbm``.
+        progress: called with a message before each re-estimate.
+        estimate_kwargs: the keywords ``base`` was estimated with (``tracemem.estimate``'s);
+            each candidate replaces some of them.
+
+    Raises:
+        TracememError: ``base`` has no ``hbm`` to fit in.
+    """
+    from modeling.config import ModelConfig, load_config
+    from tracemem.estimator import estimate
+
+    if base.hbm_bytes is None:
+        raise TracememError("what_fits needs hbm (e.g. --hbm 80GiB): the memory to fit in")
+    cfg = model if isinstance(model, ModelConfig) else load_config(model)
+    kwargs = {k: v for k, v in estimate_kwargs.items() if k != "progress"}
+    found = []
+    todo = _candidates(cfg, base)
+    for index, (flags, changes, note, skipped) in enumerate(todo):
+        if skipped is not None:
+            found.append(FitCandidate(flags, changes, note, skipped))
+            continue
+        if progress:
+            progress(f"what would fit {index + 1}/{len(todo)}: {flags}")
+        run = dict(kwargs)
+        if any(key in changes for key in _LAYOUT_KEYS) or "pp" in changes:
+            for key in _LAYOUT_KEYS:
+                run.pop(key, None)
+        run |= changes
+        try:
+            result = estimate(cfg, **run)
+        except TracememError as error:
+            found.append(FitCandidate(flags, changes, note, str(error).splitlines()[0]))
+            continue
+        worst = result.worst
+        over = sorted({r.pp_stage for r in result.ranks if r.peak_bytes > result.hbm_bytes})
+        found.append(FitCandidate(flags, changes, note, None, worst.peak_bytes, worst.pp_stage,
+                                  worst.ep_rank, over, not over))
+    tried = sorted((c for c in found if c.skipped is None),
+                   key=lambda c: (not c.fits, c.worst_peak_bytes))
+    return tried + [c for c in found if c.skipped is not None]
