@@ -183,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flag(static)
     add_parallel_arguments(static)
     _add_units_flag(static)
+    static.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                        help="pipeline schedule, for which model chunks each rank holds: "
+                             "dualpipe puts two stages (two parameter copies) on every rank, "
+                             "zbv / dualpipev the first and last chunk on rank 0 (default 1f1b)")
     static.add_argument("--json", action="store_true",
                         help="print JSON (every figure in bytes or elements) instead")
 
@@ -470,17 +474,19 @@ def _run_static(args: argparse.Namespace) -> str:
     from modeling.config import load_config
     from modeling.parallel.build import build_rank
     from tracemem.precision import PRECISION_RECIPES
+    from tracemem.schedules import check_placement
     from tracemem.static import static_memory
 
     cfg = load_config(args.model)
     par = parallel_config_from_args(args, cfg)
+    where = check_placement(args.schedule, par.pp, par.vpp)
     stages = []
     for stage in range(par.pp):
         rank = stage * (par.world_size // par.pp)  # TP, DP and EP ranks are alike here
-        memory = static_memory(build_rank(cfg, par, rank), par)
+        memory = static_memory(build_rank(cfg, par, rank, placement=where), par)
         stages.append({
             "pp_stage": stage,
-            "layers": [layer for chunk in par.layers_of_stage(stage) for layer in chunk],
+            "layers": [layer for chunk in par.layers_of_stage(stage, where) for layer in chunk],
             "dense_params": memory.dense_params, "expert_params": memory.expert_params,
             "params_by_component": memory.by_component,
             "param_bytes": memory.param_bytes, "grad_bytes": memory.grad_bytes,
@@ -492,6 +498,7 @@ def _run_static(args: argparse.Namespace) -> str:
                                           "plan")}
     layout["pp_layout"] = list(par.pp_layout)
     layout["precision_spec"] = par.precision_spec.as_dict()
+    layout["schedule"] = args.schedule
     if args.json:
         return json.dumps({"model": cfg.name, "parallel": layout, "stages": stages}, indent=2)
     units = (pick_units(max(s["total_bytes"] for s in stages)) if args.units == "auto"

@@ -17,6 +17,7 @@ overlap and warm-up of send/receive buffers beyond one microbatch are not modell
 from tracemem.schedules.core import (
     SCHEDULES,
     Step,
+    check_placement,
     check_schedule,
     format_grid,
     inflight_peak,
@@ -25,5 +26,5 @@ from tracemem.schedules.core import (
 )
 from tracemem.schedules.placement import Placement
 
-__all__ = ["SCHEDULES", "Placement", "Step", "check_schedule", "format_grid", "inflight_peak",
+__all__ = ["SCHEDULES", "Placement", "Step", "check_placement", "check_schedule", "format_grid", "inflight_peak",
            "placement", "schedule"]

@@ -11,8 +11,8 @@ from tabulate import tabulate
 from tracemem.errors import TracememError
 from tracemem.schedules.placement import Placement
 
-__all__ = ["Step", "SCHEDULES", "schedule", "placement", "check_schedule", "inflight_peak",
-           "format_grid"]
+__all__ = ["Step", "SCHEDULES", "schedule", "placement", "check_placement", "check_schedule",
+           "inflight_peak", "format_grid"]
 
 # PyTorch's letters (torch/distributed/pipelining/schedules.py, ``_ComputationType``):
 # F forward, B full backward, I backward for the input gradient, W backward for the weights
@@ -115,35 +115,46 @@ def placement(name: str, pp: int, vpp: int, num_microbatches: int) -> Placement:
     return Placement(style, pp, pp * vpp, num_microbatches)
 
 
-def _validate(name: str, pp: int, vpp: int, m: int) -> None:
+def check_placement(name: str, pp: int, vpp: int) -> Placement:
+    """The placement of schedule ``name`` on ``pp`` ranks with ``vpp`` chunks per rank, for
+    what does not depend on the microbatches (static memory).
+
+    Raises:
+        TracememError: unknown schedule, or a PP / VPP it does not take.
+    """
     if name not in SCHEDULES:
         raise TracememError(f"--schedule {name!r} is invalid; choose one of "
                             f"{', '.join(SCHEDULES)}")
+    chunks = _registry()[name][2]
+    if name == "interleaved-1f1b" and vpp < 2:
+        raise TracememError("--schedule interleaved-1f1b needs --vpp 2 or more; use 1f1b "
+                            "for one model chunk per rank")
+    if chunks == 2 and vpp != 2:
+        raise TracememError(f"--schedule {name} places two model chunks on every rank in a V; "
+                            f"give --vpp 2 (and a layout of 2 * pp stages), not --vpp {vpp}")
+    if chunks == 1 and vpp != 1:
+        hint = "interleaved-1f1b" if name != "dualpipe" else "dualpipev"
+        raise TracememError(f"--schedule {name} runs one model chunk per rank; --vpp {vpp} "
+                            f"needs --schedule {hint}")
+    if name == "dualpipe" and (pp < 2 or pp % 2):
+        raise TracememError(f"--schedule dualpipe needs an even --pp (DualPipe pairs rank "
+                            f"r with rank pp - 1 - r); got --pp {pp}")
+    return placement(name, pp, vpp, 0)
+
+
+def _validate(name: str, pp: int, vpp: int, m: int) -> None:
+    check_placement(name, pp, vpp)
     if m <= 0:
         raise TracememError(f"--num-microbatches {m} must be a positive integer")
-    chunks = _registry()[name][2]
     if name == "interleaved-1f1b":
-        if vpp < 2:
-            raise TracememError("--schedule interleaved-1f1b needs --vpp 2 or more; use 1f1b "
-                                "for one model chunk per rank")
         if m % pp:
             raise TracememError(
                 f"--num-microbatches {m} must be a multiple of --pp {pp} for "
                 f"the interleaved schedule (Megatron-LM rejects it); try "
                 f"{-(-m // pp) * pp}")
-    elif chunks == 2 and vpp != 2:
-        raise TracememError(f"--schedule {name} places two model chunks on every rank in a V; "
-                            f"give --vpp 2 (and a layout of 2 * pp stages), not --vpp {vpp}")
-    elif chunks == 1 and vpp != 1:
-        hint = "interleaved-1f1b" if name != "dualpipe" else "dualpipev"
-        raise TracememError(f"--schedule {name} runs one model chunk per rank; --vpp {vpp} "
-                            f"needs --schedule {hint}")
     if name == "dualpipe":
         # deepseek-ai/DualPipe dualpipe.py, DualPipe.step: num_ranks % 2 == 0,
         # num_chunks % 2 == 0 and num_chunks >= num_ranks * 2
-        if pp < 2 or pp % 2:
-            raise TracememError(f"--schedule dualpipe needs an even --pp (DualPipe pairs rank "
-                                f"r with rank pp - 1 - r); got --pp {pp}")
         if m % 2 or m < 2 * pp:
             raise TracememError(
                 f"--num-microbatches {m} must be even and at least 2 * pp = {2 * pp} for "

@@ -47,3 +47,24 @@ def test_w_steps_with_recompute_are_rejected():
     with pytest.raises(TracememError, match="--schedule zbv defers weight gradients"):
         estimate("deepseek-tiny", pp=2, vpp=2, pp_layout=(1, 1, 1, 1), schedule_name="zbv",
                  recompute="full", **TINY)
+
+
+def test_dualpipe_doubles_a_middle_stages_static_memory_on_the_paper_layout(capsys):
+    """arXiv 2502.07846's stage of 4 MoE layers: 6,250,364,928 parameters; under ZeRO-3 (its
+    recipe) 1,480,642,560 B of parameters, 2,961,285,120 of gradients and 5,922,570,240 of
+    optimizer states. Under DualPipe rank 1 holds stages 1 and 14 (both 4 MoE layers): twice
+    each (DeepSeek-V3 report Table 2: 2x parameters)."""
+    import json
+
+    from tracemem.cli import main
+    assert main(["static", "--model", "deepseek-v3", "--plan", "paper-2502.07846",
+                 "--precision", "paper-2502.07846", "--world-size", "1024", "--tp", "2",
+                 "--pp", "16", "--ep", "8", "--etp", "1", "--zero", "3", "--pp-layout",
+                 "4*15,1", "--schedule", "dualpipe", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    stage = result["stages"][1]
+    assert stage["layers"] == [4, 5, 6, 7, 56, 57, 58, 59]
+    assert stage["dense_params"] + stage["expert_params"] == 2 * 6_250_364_928
+    assert (stage["param_bytes"], stage["grad_bytes"], stage["optimizer_bytes"]) == \
+        (2 * 1_480_642_560, 2 * 2_961_285_120, 2 * 5_922_570_240)
+    assert result["parallel"]["schedule"] == "dualpipe"
