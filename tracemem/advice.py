@@ -150,7 +150,8 @@ def what_fits(model, base, *, progress: Callable[[str], None] | None = None,
             found.append(FitCandidate(flags, changes, note, str(error).splitlines()[0]))
             continue
         worst = result.worst
-        over = sorted({r.pp_stage for r in result.ranks if r.peak_bytes > result.hbm_bytes})
+        # judged as the estimate judges --hbm: reserved peak + non-PyTorch memory (r.fits)
+        over = sorted({r.pp_stage for r in result.ranks if r.fits is False})
         found.append(FitCandidate(flags, changes, note, None, worst.peak_bytes, worst.pp_stage,
                                   worst.ep_rank, over, not over))
     tried = sorted((c for c in found if c.skipped is None),

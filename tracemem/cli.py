@@ -133,6 +133,22 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--hbm", default=None,
                       help="device memory per GPU, e.g. 80GiB, to say whether each rank fits "
                            "(write --hbm=VALUE for a value starting with -)")
+    step.add_argument("--alloc-conf", default=None, metavar="SETTINGS",
+                      help="CUDA caching-allocator settings, as PYTORCH_CUDA_ALLOC_CONF: e.g. "
+                           "expandable_segments:True,max_split_size_mb:128 (default: PyTorch's "
+                           "defaults); the allocated and reserved peaks are simulated with them")
+    step.add_argument("--non-pytorch-memory", default=None, metavar="SIZE",
+                      help="device memory outside PyTorch's allocator (CUDA context; add your "
+                           "NCCL buffers): --hbm is judged against the reserved peak plus this "
+                           "(default 512MiB: the CUDA context, ~300-400 MB measured in "
+                           "pytorch/pytorch#107667 and #20532)")
+    step.add_argument("--snapshot", default=None, metavar="DIR",
+                      help="write one torch.cuda.memory._snapshot() pickle per rank class into "
+                           "DIR, for https://pytorch.org/memory_viz or python -m "
+                           "torch.cuda._memory_viz")
+    step.add_argument("--plot", default=None, metavar="FILE",
+                      help="draw each rank class's memory over the step into FILE (.png or "
+                           ".svg)")
     step.add_argument("--no-zero3-prefetch", dest="zero3_prefetch", action="store_false",
                       help="under --zero 3, gather each unit only at its own backward (FSDP2 "
                            "prefetches the next unit's parameters by default)")
@@ -403,13 +419,18 @@ def _run_estimate(args: argparse.Namespace) -> str:
         experts=args.experts, routing=args.routing, seed=args.seed,
         rounding=args.rounding or None, deallocate_pipeline_outputs=args.deallocate,
         hbm=args.hbm, progress=progress, zero3_prefetch=args.zero3_prefetch,
-        kernels=args.kernels, kernel_options=_kernel_options(args), **_layout_kwargs(args))
+        kernels=args.kernels, kernel_options=_kernel_options(args),
+        alloc_conf=args.alloc_conf, snapshot=args.snapshot, plot=args.plot,
+        **({} if args.non_pytorch_memory is None else
+           {"non_pytorch_memory": args.non_pytorch_memory}), **_layout_kwargs(args))
     result = estimate(args.model, **estimate_kwargs)
     fits = None
-    if args.what_fits and any(r.peak_bytes > result.hbm_bytes for r in result.ranks):
+    if args.what_fits and any(r.fits is False for r in result.ranks):
         from tracemem.advice import what_fits
 
-        fits = what_fits(args.model, result, **estimate_kwargs)
+        # the re-estimates write no snapshot or plot (those are the job's as given)
+        fits = what_fits(args.model, result, **{k: v for k, v in estimate_kwargs.items()
+                                                if k not in ("snapshot", "plot")})
     if progress:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     if args.json:

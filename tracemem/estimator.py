@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -44,6 +45,9 @@ from modeling.parallel.pp import (
 from modeling.routing import RoutingModel, parse_routing
 from tracemem.categories import Category
 from tracemem.errors import TracememError
+from tracemem.memory import MemoryTimeline, parse_alloc_conf, write_snapshot
+from tracemem.memory.plot import check_plot_path, plot_timelines
+from tracemem.memory.timeline import replay_through_allocator, step_at
 from tracemem.parallel import ParallelConfig
 from tracemem.schedules import Placement, Step, placement, schedule
 from tracemem.split_backward import backward_input
@@ -57,22 +61,31 @@ __all__ = ["RankEstimate", "Estimate", "estimate", "parse_bytes", "Segments", "R
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
-def parse_bytes(text: str) -> int:
-    """``"80GiB"`` -> 85899345920. Units: B, KiB, MiB, GiB, TiB (binary).
+def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
+    """``"80GiB"`` -> 85899345920. Units: B, KiB, MiB, GiB, TiB (binary). ``zero`` also
+    accepts a size of 0.
 
     Raises:
-        TracememError: not a number followed by one of those units.
+        TracememError: not a number followed by one of those units (the message names
+            ``flag``).
     """
     for unit in sorted(_UNITS, key=len, reverse=True):
-        if text.endswith(unit):
+        if isinstance(text, str) and text.endswith(unit):
             try:
                 value = float(text[:-len(unit)])
             except ValueError:
                 break
-            if value > 0:
+            if value > 0 or (zero and value == 0):
                 return int(value * _UNITS[unit])
-    raise TracememError(f"--hbm {text!r} is invalid; give a positive size such as 80GiB or "
-                        f"141GiB (units {', '.join(_UNITS)})")
+    raise TracememError(f"{flag} {text!r} is invalid; give a {'' if zero else 'positive '}"
+                        f"size such as 80GiB or 141GiB (units {', '.join(_UNITS)})")
+
+
+# Device memory outside PyTorch's caching allocator, added to the reserved peak when judging
+# --hbm: the CUDA context. With CUDA's lazy module loading (11.7+) it is about 300 MB
+# (pytorch/pytorch#107667, ptrblck, 2023) to 300-400 MB (pytorch/pytorch#20532), rounded up
+# here; NCCL communicator buffers are not included (they depend on the job: measure them).
+NON_PYTORCH_MEMORY_DEFAULT = "512MiB"
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,14 @@ class RankEstimate:
             memory alone is the peak.
         peak_bytes: the peak; parameter / gradient / optimizer_state / buffer bytes come from
             ``static``; activation / comm_buffer / temporary / input bytes from the replay.
+        allocated_peak_bytes, reserved_peak_bytes: what ``torch.cuda.max_memory_allocated``
+            / ``max_memory_reserved`` would report: the same events through the simulated
+            CUDA caching allocator (``tracemem.memory``; whole blocks, segments).
+        fragmentation_bytes, largest_free_block_bytes: reserved minus allocated, and the
+            largest cached free block, at the reserved peak; reserved_peak_step: the step
+            running then.
+        fits: reserved peak + non-PyTorch memory <= ``--hbm`` with no allocator OOM on the
+            way (None without ``--hbm``); memory: the per-event ``MemoryTimeline``.
     """
 
     pp_stage: int
@@ -108,6 +129,13 @@ class RankEstimate:
     static: StaticMemory = field(repr=False)
     by_module: dict[str, int] = field(default_factory=dict, repr=False)
     largest: list[dict] = field(default_factory=list, repr=False)
+    allocated_peak_bytes: int = 0
+    reserved_peak_bytes: int = 0
+    fragmentation_bytes: int = 0
+    largest_free_block_bytes: int = 0
+    reserved_peak_step: str | None = None
+    fits: bool | None = None
+    memory: MemoryTimeline | None = field(default=None, repr=False)
 
     def dominant(self) -> tuple[str, int]:
         """The largest line item at the peak."""
@@ -368,7 +396,9 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
              seed: int = 0, rounding: int | None = 512, deallocate_pipeline_outputs: bool = True,
              hbm: str | None = None, progress: Callable[[str], None] | None = None,
              zero3_prefetch: bool = True, kernels: str = "megatron-te",
-             kernel_options: dict | None = None, **layout) -> Estimate:
+             kernel_options: dict | None = None, alloc_conf: str | None = None,
+             non_pytorch_memory: str = NON_PYTORCH_MEMORY_DEFAULT, snapshot: str | None = None,
+             plot: str | None = None, **layout) -> Estimate:
     """Peak memory of every distinct rank.
 
     Args:
@@ -389,6 +419,15 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
         progress: called with a message before each rank class is traced.
         zero3_prefetch: under ZeRO-3, FSDP2's implicit backward prefetch of the next unit
             (``tracemem.zero3``; default on, as in FSDP2).
+        alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` string for the simulated caching allocator
+            (``tracemem.memory.parse_alloc_conf``), e.g. "expandable_segments:True".
+        non_pytorch_memory: device memory outside PyTorch's allocator (CUDA context; add
+            NCCL's buffers), e.g. "1GiB"; ``--hbm`` is judged against reserved + this, and
+            the simulated allocator gets ``hbm`` minus this (default
+            ``NON_PYTORCH_MEMORY_DEFAULT``, sourced there).
+        snapshot: a directory to write one ``torch.cuda.memory._snapshot()`` pickle per rank
+            class into (``stage3.pickle``, ``stage3_ep5.pickle``).
+        plot: a .png or .svg file to draw every rank class's memory over the step into.
 
     Raises:
         TracememError: any invalid input, with the flag, the value and a fix.
@@ -415,6 +454,15 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
             raise TracememError(f"gradient_accumulation_fusion={fusion} and kernel_options' "
                                 f"gradient_accumulation_fusion disagree; give one")
     profile = get_profile(kernels, **kernel_options)
+    alloc_config = parse_alloc_conf(alloc_conf)
+    outside = parse_bytes(non_pytorch_memory, "--non-pytorch-memory", zero=True)
+    capacity = None if hbm_bytes is None else hbm_bytes - outside
+    if capacity is not None and capacity <= 0:
+        raise TracememError(f"--non-pytorch-memory {non_pytorch_memory} leaves nothing of "
+                            f"--hbm {hbm} for PyTorch")
+    snapshot_dir = _output_dir(snapshot) if snapshot is not None else None
+    if plot is not None:
+        check_plot_path(plot)
     routing_model = parse_routing(routing, seed)
     steps_by_rank = schedule(schedule_name, par.pp, par.vpp, num_microbatches)
     where = placement(schedule_name, par.pp, par.vpp, num_microbatches)
@@ -460,6 +508,18 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                                    static.total_bytes - static.zero3_gather_bytes,
                                    lambda v, stage=stage: where.chunk_index(stage, v))
         peak, at, inflight = replayed.peak_bytes, replayed.step_index, replayed.inflight
+        label = f"stage{stage}" + ("" if ep_rank is None else f"_ep{ep_rank}")
+        timeline, allocator = replay_through_allocator(
+            replay_events(steps, par.pp, segments,
+                          lambda v, stage=stage: where.chunk_index(stage, v)), steps,
+            [("parameter", static.param_bytes), ("gradient", static.grad_bytes),
+             ("optimizer_state", static.optimizer_bytes), ("buffer", static.buffer_bytes)],
+            label.replace("stage", "stage ").replace("_ep", ", EP rank "), config=alloc_config,
+            capacity=capacity, device_total=hbm_bytes, record_history=snapshot is not None,
+            series=plot is not None)
+        if snapshot_dir is not None:
+            write_snapshot(allocator.sim, snapshot_dir / f"{label}.pickle")
+        mem = timeline.stats
         live, modules = replayed.by_category, replayed.by_module
         results.append(RankEstimate(
             pp_stage=stage, ep_rank=ep_rank, rank=rank, layers=layers,
@@ -473,7 +533,13 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
             temporary_bytes=live.get("temporary", 0), input_bytes=live.get("input", 0),
             zero3_gather_bytes=live.get("parameter", 0), static=static,
             by_module=dict(sorted(modules.items(), key=lambda kv: -kv[1])[:10]),
-            largest=replayed.largest))
+            largest=replayed.largest, allocated_peak_bytes=mem.allocated_peak,
+            reserved_peak_bytes=mem.reserved_peak, fragmentation_bytes=mem.fragmentation_bytes,
+            largest_free_block_bytes=mem.largest_free_block,
+            reserved_peak_step=step_at(timeline, mem.reserved_peak_event),
+            fits=None if hbm_bytes is None else (mem.reserved_peak + outside <= hbm_bytes
+                                                 and mem.num_ooms == 0),
+            memory=timeline))
     settings = {"micro_batch_size": micro_batch_size, "seq_length": seq_length,
                 "num_microbatches": num_microbatches, "schedule": schedule_name,
                 "recompute": recompute,
@@ -482,8 +548,27 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                 "seed": seed, "rounding": rounding or 0, "kernels": profile.name,
                 "kernel_options": dict(profile.options),
                 "deallocate_pipeline_outputs": deallocate_pipeline_outputs,
-                "zero3_prefetch": zero3_prefetch}
+                "zero3_prefetch": zero3_prefetch, "alloc_conf": alloc_config.text,
+                "non_pytorch_memory_bytes": outside}
+    if plot is not None:
+        plot_timelines([r.memory for r in results], plot, hbm_bytes=hbm_bytes,
+                       usable_bytes=capacity,
+                       title=f"{cfg.name}: memory over one step per rank class "
+                             f"({alloc_config.text or 'default allocator settings'})")
     return Estimate(cfg.name, par, settings, results, hbm_bytes)
+
+
+def _output_dir(path: str) -> Path:
+    """``--snapshot`` directory, made if missing."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TracememError(f"--snapshot {path!r}: cannot make the directory: "
+                            f"{e.strerror}") from None
+    if not out.is_dir():
+        raise TracememError(f"--snapshot {path!r} is not a directory")
+    return out
 
 
 def stderr_progress(quiet: bool) -> Callable[[str], None] | None:

@@ -166,6 +166,9 @@ def format_comparisons(comparisons: Sequence[Any]) -> str:
 _RANK_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "activation_bytes",
                 "comm_buffer_bytes", "temporary_bytes", "buffer_bytes", "input_bytes",
                 "zero3_gather_bytes")
+# the simulated CUDA caching allocator (tracemem.memory): max_memory_allocated / _reserved
+_ALLOCATOR_FIELDS = ("allocated_peak_bytes", "reserved_peak_bytes", "fragmentation_bytes",
+                     "largest_free_block_bytes", "reserved_peak_step")
 
 
 def get_verdict(result) -> dict[str, Any]:
@@ -175,12 +178,17 @@ def get_verdict(result) -> dict[str, Any]:
     ``worst_peak_bytes``)."""
     hbm = result.hbm_bytes
     stages = sorted({r.pp_stage for r in result.ranks})
+    # a rank fits when its simulated reserved peak plus the non-PyTorch memory fits in hbm
+    # (RankEstimate.fits, set by the estimator)
     over = None if hbm is None else sorted({r.pp_stage for r in result.ranks
-                                            if r.peak_bytes > hbm})
+                                            if r.fits is False})
     worst = result.worst
     return {"pp_stages": len(stages), "hbm_bytes": hbm, "stages_over_hbm": over,
             "fits": None if over is None else not over, "worst_pp_stage": worst.pp_stage,
-            "worst_ep_rank": worst.ep_rank, "worst_peak_bytes": worst.peak_bytes}
+            "worst_ep_rank": worst.ep_rank, "worst_peak_bytes": worst.peak_bytes,
+            # the most any rank needs of hbm: reserved peak + non-PyTorch memory
+            "worst_needed_bytes": max(r.reserved_peak_bytes for r in result.ranks)
+            + result.settings.get("non_pytorch_memory_bytes", 0)}
 
 
 def format_verdict(verdict: dict[str, Any], units: str = "GiB") -> str:
@@ -195,7 +203,7 @@ def format_verdict(verdict: dict[str, Any], units: str = "GiB") -> str:
         return f"Verdict: {worst}; give --hbm (e.g. 80GiB) to say whether it fits."
     stage_word = "pipeline stage" if n == 1 else "pipeline stages"
     if not over:
-        spare = hbm - verdict["worst_peak_bytes"]
+        spare = hbm - verdict["worst_needed_bytes"]
         return (f"Verdict: all {n} {stage_word} fit in {_size_label(hbm, units, given=True)}; "
                 f"{worst} ({_size_label(spare, units)} to spare).")
     listed = "stage" if len(over) == 1 else "stages"
@@ -217,7 +225,8 @@ def get_estimate(result, fits: Sequence[Any] | None = None) -> dict[str, Any]:
                "layers": r.layers, "inflight_microbatches": r.inflight_microbatches,
                "peak_step": r.peak_step, "peak_bytes": r.peak_bytes}
         row.update({name: getattr(r, name) for name in _RANK_FIELDS})
-        row["fits"] = None if result.hbm_bytes is None else r.peak_bytes <= result.hbm_bytes
+        row.update({name: getattr(r, name) for name in _ALLOCATOR_FIELDS})
+        row["fits"] = r.fits  # reserved peak + non-PyTorch memory <= hbm (estimator)
         row["by_module_bytes"] = r.by_module
         row["largest_storages"] = r.largest
         ranks.append(row)
@@ -296,6 +305,18 @@ def _legend(result, units: str) -> list[str]:
     return lines
 
 
+def _allocator_legend(result, units: str) -> str:
+    """What the reserved / frag. / fits columns mean (tracemem.memory, docs/allocator.md)."""
+    conf = result.settings.get("alloc_conf") or "default settings"
+    outside = result.settings.get("non_pytorch_memory_bytes", 0)
+    line = (f"reserved: max_memory_reserved of PyTorch's CUDA caching allocator (simulated, "
+            f"{conf}); frag.: reserved - allocated at that peak")
+    if result.hbm_bytes is not None:
+        line += (f"; fits: reserved + {_size_label(outside, units)} non-PyTorch memory (CUDA "
+                 f"context, --non-pytorch-memory) <= {_size_label(result.hbm_bytes, units)}")
+    return line + "."
+
+
 def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = None) -> str:
     """One row per rank class, in ``units`` (one of ``UNITS``, or "auto": ``pick_units`` of
     the worst peak), a legend, the worst rank, the verdict, and with ``fits``
@@ -307,8 +328,7 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
     spans = stage_ranks(result.parallel)
     rows = []
     for r in result.ranks:
-        fits_cell = "" if result.hbm_bytes is None else ("yes" if r.peak_bytes <= result.hbm_bytes
-                                                         else "NO")
+        fits_cell = "" if r.fits is None else ("yes" if r.fits else "NO")  # reserved-based
         rows.append([r.pp_stage, _format_spans(spans[r.pp_stage]),
                      "-" if r.ep_rank is None else r.ep_rank]
                     + [format_size(n, units) for n in (
@@ -317,9 +337,12 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
                     + [r.inflight_microbatches]
                     + [format_size(n, units) for n in (
                         r.comm_buffer_bytes, r.temporary_bytes, r.peak_bytes)]
-                    + [r.peak_step or "-"] + ([fits_cell] if fits_cell else []))
+                    + [r.peak_step or "-"]
+                    + [format_size(n, units) for n in (r.reserved_peak_bytes,
+                                                       r.fragmentation_bytes)]
+                    + ([fits_cell] if fits_cell else []))
     headers = ["stage", "ranks", "EP rank", "params", "grads", "optimizer", "activations",
-               "in-flight", "comm", "temporaries", "peak", "at step"]
+               "in-flight", "comm", "temporaries", "peak", "at step", "reserved", "frag."]
     if result.hbm_bytes is not None:
         headers.append(f"fits {_size_label(result.hbm_bytes, units, given=True)}")
     par, st = result.parallel, result.settings
@@ -340,8 +363,8 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
     tail = (f"Worst rank: {where}, peak {_size_label(worst.peak_bytes, units)} at step "
             f"{worst.peak_step or '-'} with {held}; "
             f"largest item: {item} ({_size_label(size, units)}).")
-    lines = [head, "", table, "", *_legend(result, units), "", tail,
-             format_verdict(get_verdict(result), units)]
+    lines = [head, "", table, "", *_legend(result, units), _allocator_legend(result, units),
+             "", tail, format_verdict(get_verdict(result), units)]
     if fits is not None:
         lines += ["", format_fits(fits, result, units)]
     return "\n".join(lines)

@@ -92,12 +92,13 @@ class _Segment:
     """One ``cudaMalloc`` (``expandable`` False) or one expandable segment (a reserved
     address range mapped ``page`` bytes at a time)."""
 
-    __slots__ = ("base", "size", "small", "expandable", "page", "mapped_pages")
+    __slots__ = ("base", "size", "small", "expandable", "page", "mapped_pages", "head")
 
     def __init__(self, base, size, small, expandable, page=0):
         self.base, self.size, self.small = base, size, small
         self.expandable, self.page = expandable, page
         self.mapped_pages = 0
+        self.head = None  # the block at `base`
 
 
 class _Block:
@@ -175,8 +176,9 @@ class AllocatorStats:
         requested_peak: the most bytes requested (before any rounding).
         num_device_alloc / num_device_free: ``cudaMalloc`` (or page-map) and ``cudaFree``
             (or unmap) calls; num_alloc_retries: mallocs that freed cached blocks and
-            retried; num_ooms: mallocs that failed even then (replayed as if the device had
-            more memory); oom_event: index of the first such event, or None.
+            retried; num_ooms: 1 if a malloc failed even then, else 0 (a real run stops
+            there; the replay goes on as if the device had no limit from then on);
+            oom_event: index of that event, or None.
         allocated, reserved: per-event series (bytes after each event).
     """
 
@@ -234,10 +236,10 @@ class CachingAllocatorSimulator:
             self.allowed_max = int(config.per_process_memory_fraction * self.device_total)
         self._gc = self.allowed_max is not None and config.garbage_collection_threshold > 0
         self.max_split = config.max_split_size if config.max_split_size is not None else 2**64
+        self._plain_rounding = max(config.roundup_power2_divisions) <= 1
         self.small = _Pool(True)
         self.large = _Pool(False)
         self.live: dict[Hashable, _Block] = {}
-        self.blocks: dict[int, _Block] = {}   # every block by address
         self.segments: dict[int, _Segment] = {}
         self._n_segments = 0  # cudaMalloc segments + mapped ranges of expandable ones
         self._next_addr = _BASE_ADDRESS
@@ -247,7 +249,6 @@ class CachingAllocatorSimulator:
         self.num_device_alloc = self.num_device_free = 0
         self.num_alloc_retries = self.num_ooms = 0
         self.oom_event: int | None = None
-        self._force = False
         self.history: list[dict] | None = [] if record_history else None
         self._info = None
         # series and peaks
@@ -334,7 +335,7 @@ class CachingAllocatorSimulator:
             if not seg.expandable:
                 count += 1
                 continue
-            b, prev_mapped = self.blocks[seg.base], False
+            b, prev_mapped = seg.head, False
             while b is not None:
                 if b.mapped and not prev_mapped:
                     count += 1
@@ -352,10 +353,9 @@ class CachingAllocatorSimulator:
         were coalesced), and the allocated / reserved counters equal the blocks' sizes."""
         allocated = reserved = 0
         for seg in self.segments.values():
-            b, addr, prev = self.blocks[seg.base], seg.base, None
+            b, addr, prev = seg.head, seg.base, None
             while b is not None:
                 assert b.addr == addr and b.prev is prev and b.seg is seg, (seg.base, b.addr)
-                assert self.blocks[b.addr] is b
                 if b.allocated:
                     allocated += b.size
                 elif b.mapped:
@@ -401,7 +401,10 @@ class CachingAllocatorSimulator:
 
     def _malloc(self, orig_size: int) -> _Block:
         # DeviceCachingAllocator::malloc
-        size = round_size(orig_size, self.config)
+        if self._plain_rounding:  # round_size without roundup_power2_divisions
+            size = 512 if orig_size < 512 else (orig_size + 511) & ~511
+        else:
+            size = round_size(orig_size, self.config)
         pool = self.small if size <= K_SMALL_SIZE else self.large  # get_pool
         alloc_size = get_allocation_size(size, self.config.large_segment_size)
         block = self._get_free_block(pool, size)
@@ -417,13 +420,12 @@ class CachingAllocatorSimulator:
                 block = self._alloc_block(pool, size, alloc_size)
             if block is None:
                 # a real run raises OutOfMemoryError here; record it and go on as if the
-                # device had more memory, so the peaks of the whole step are still known
+                # device had no limit from here on, so the peaks of the whole step are known
                 self.num_ooms += 1
-                if self.oom_event is None:
-                    self.oom_event = self.events
-                self._force = True
+                self.oom_event = self.events
+                self.capacity = self.allowed_max = None
+                self._gc = False
                 block = self._alloc_block(pool, size, alloc_size)
-                self._force = False
         return self._alloc_found_block(block, pool, size, orig_size,
                                        self._should_split(block, size))
 
@@ -484,8 +486,8 @@ class CachingAllocatorSimulator:
             remaining.prev = block
             remaining.addr += size
             remaining.size -= size
-            self.blocks[block.addr] = block
-            self.blocks[remaining.addr] = remaining
+            if block.prev is None:
+                block.seg.head = block
             pool.insert(remaining)
         block.allocated = True
         block.requested = orig_size
@@ -515,14 +517,13 @@ class CachingAllocatorSimulator:
             pool.remove(src)
         else:
             pool.remove_unmapped(src)
-        del self.blocks[src.addr]
         if dst.prev is src:
-            del self.blocks[dst.addr]
             dst.addr = src.addr
             dst.prev = src.prev
             if dst.prev is not None:
                 dst.prev.next = dst
-            self.blocks[dst.addr] = dst
+            else:
+                dst.seg.head = dst
         else:
             dst.next = src.next
             if dst.next is not None:
@@ -531,12 +532,12 @@ class CachingAllocatorSimulator:
         return src.size
 
     def _fits(self, nbytes: int) -> bool:
-        return self._force or self.capacity is None or \
+        return self.capacity is None or \
             self.reserved_bytes + nbytes <= self.capacity
 
     def _alloc_block(self, pool: _Pool, size: int, alloc_size: int) -> _Block | None:
         # DeviceCachingAllocator::alloc_block
-        if not self._force and self.allowed_max is not None and \
+        if self.allowed_max is not None and \
                 self.reserved_bytes + alloc_size > self.allowed_max:
             return None
         if self.config.expandable_segments:
@@ -545,8 +546,7 @@ class CachingAllocatorSimulator:
             return None
         seg = _Segment(self._new_address(alloc_size), alloc_size, pool.small, False)
         self.segments[seg.base] = seg
-        block = _Block(seg.base, alloc_size, seg, pool)
-        self.blocks[block.addr] = block
+        block = seg.head = _Block(seg.base, alloc_size, seg, pool)
         self.reserved_bytes += alloc_size
         self._n_segments += 1
         self.num_device_alloc += 1
@@ -557,7 +557,6 @@ class CachingAllocatorSimulator:
         # DeviceCachingAllocator::release_block: cudaFree a whole, free, non-expandable segment
         assert not block.is_split() and not block.seg.expandable
         block.pool.remove(block)
-        del self.blocks[block.addr]
         del self.segments[block.seg.base]
         self.reserved_bytes -= block.size
         self._n_segments -= 1
@@ -658,8 +657,7 @@ class CachingAllocatorSimulator:
         pages = -(-(device + device // 8) // page)
         seg = _Segment(self._new_address(pages * page), pages * page, pool.small, True, page)
         self.segments[seg.base] = seg
-        block = _Block(seg.base, seg.size, seg, pool, mapped=False)
-        self.blocks[block.addr] = block
+        block = seg.head = _Block(seg.base, seg.size, seg, pool, mapped=False)
         pool.insert_unmapped(block)
         return block
 
@@ -684,7 +682,6 @@ class CachingAllocatorSimulator:
             if to_map.next is not None:
                 to_map.next.prev = rest
             to_map.next = rest
-            self.blocks[rest.addr] = rest
             pool.insert_unmapped(rest)
             to_map.size = mapped
         self._try_merge(to_map, to_map.prev)
@@ -720,15 +717,14 @@ class CachingAllocatorSimulator:
         pool = block.pool
         pool.remove(block)
         start, stop = seg.base + begin * seg.page, seg.base + end * seg.page
-        del self.blocks[block.addr]
-        self.blocks[start] = block
         if start > block.addr:
             before = _Block(block.addr, start - block.addr, seg, pool)
             before.prev, before.next = block.prev, block
             if block.prev is not None:
                 block.prev.next = before
+            else:
+                seg.head = before
             block.prev = before
-            self.blocks[before.addr] = before
             pool.insert(before)
         if stop < block.addr + block.size:
             after = _Block(stop, block.addr + block.size - stop, seg, pool)
@@ -736,7 +732,6 @@ class CachingAllocatorSimulator:
             if block.next is not None:
                 block.next.prev = after
             block.next = after
-            self.blocks[after.addr] = after
             pool.insert(after)
         block.addr = start
         block.size = stop - start
@@ -756,7 +751,6 @@ class CachingAllocatorSimulator:
         # DeviceCachingAllocator::release_expandable_segment: the whole range is unmapped
         assert block.size == block.seg.size and not block.mapped
         block.pool.remove_unmapped(block)
-        del self.blocks[block.addr]
         del self.segments[block.seg.base]
 
 

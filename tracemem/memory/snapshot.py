@@ -72,7 +72,7 @@ def to_snapshot(sim: CachingAllocatorSimulator) -> dict:
     segments = []
     for base in sorted(sim.segments):
         seg = sim.segments[base]
-        block, run_head, run = sim.blocks[base], None, []
+        block, run_head, run = seg.head, None, []
         while block is not None:
             if block.mapped:
                 if run_head is None:

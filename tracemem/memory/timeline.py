@@ -9,13 +9,14 @@ sit behind any replay loop; ``timeline()`` returns the ``MemoryTimeline``.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable
+from bisect import bisect_right
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from tracemem.memory.allocator import AllocatorStats, CachingAllocatorSimulator
 from tracemem.memory.config import AllocatorConfig
 
-__all__ = ["AllocatorReplay", "MemoryTimeline"]
+__all__ = ["AllocatorReplay", "MemoryTimeline", "replay_through_allocator", "step_at"]
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,11 @@ class AllocatorReplay:
 
     def __init__(self, config: AllocatorConfig | str | None = None, *,
                  capacity: int | None = None, device_total: int | None = None,
-                 record_history: bool = False):
+                 record_history: bool = False, series: bool = True):
         self.sim = CachingAllocatorSimulator(config, capacity=capacity,
                                              device_total=device_total,
                                              record_history=record_history)
+        self._keep_series = series  # per-category series (for plots); off saves time
         self._category: dict[Hashable, str] = {}
         self._shadow: dict[Hashable, list] = {}
         self._current: dict[str, int] = {}
@@ -92,6 +94,8 @@ class AllocatorReplay:
         self._add(self._category.pop(key), -size)
 
     def _add(self, category: str, delta: int) -> None:
+        if not self._keep_series:
+            return
         if category not in self._series:
             self._series[category] = array("q", bytes(8 * (self.sim.events - 1)))
             self._current[category] = 0
@@ -103,3 +107,37 @@ class AllocatorReplay:
         stats = self.sim.stats()
         return MemoryTimeline(label, stats.allocated, stats.reserved, dict(self._series),
                               list(self.steps), stats)
+
+
+def step_at(timeline: MemoryTimeline, event: int | None) -> str | None:
+    """The label of the schedule step running at ``event`` (None: static memory, before any
+    step)."""
+    if event is None:
+        return None
+    i = bisect_right([e for e, _ in timeline.steps], event) - 1
+    return timeline.steps[i][1] if i >= 0 else None
+
+
+def replay_through_allocator(replayed: Iterable, steps: list, static: Iterable[tuple[str, int]],
+                             label: str, **kwargs) -> tuple[MemoryTimeline, AllocatorReplay]:
+    """Drive ``AllocatorReplay(**kwargs)`` with a rank's static memory, one allocation per
+    ``(category, bytes)`` line item (as contiguous buffers: Megatron-Core's
+    ``ParamAndGradBuffer`` holds a rank's gradients, and its distributed optimizer's
+    parameters and states, in a few large buffers), then with ``replayed``: the
+    ``(step_index, key, action, nbytes, event)`` tuples of
+    ``tracemem.estimator.replay_events``, in order. ``steps[step_index]`` labels the x axis.
+    """
+    r = AllocatorReplay(**kwargs)
+    for category, nbytes in static:
+        if nbytes:
+            r.alloc(("static", category), nbytes, category, "", "static")
+    current = None
+    for index, key, action, nbytes, event in replayed:
+        if index != current:
+            r.step(str(steps[index]))
+            current = index
+        if action == "alloc":
+            r.alloc(key, nbytes, event.category.value, event.module, event.op)
+        else:
+            r.free(key)
+    return r.timeline(label), r

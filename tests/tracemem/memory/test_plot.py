@@ -55,7 +55,8 @@ def test_resized_storage_keeps_the_old_block_until_its_free():
 def test_plot_is_written_and_its_series_equal_the_replay(tmp_path, suffix):
     tl = replay()
     path = tmp_path / f"memory{suffix}"
-    fig = plot_timelines([tl, tl], path, hbm_bytes=80 * GiB, usable_bytes=79 * GiB)
+    fig = plot_timelines([tl, tl], path, hbm_bytes=80 * GiB, usable_bytes=79 * GiB,
+                         units="GiB")
     assert path.stat().st_size > 1000
     ax = fig.axes[0]
     lines = {line.get_gid(): line for line in ax.get_lines()}
