@@ -127,8 +127,8 @@ def test_cli_json_and_table_carry_the_allocator(capsys):
 
 def test_table_names_the_allocator_and_the_fit_rule(tiny):
     table = format_estimate(tiny[0])
-    assert "reserved = max_memory_reserved" in table and "frag." in table
-    assert "fits = reserved + 0.98 GiB non-PyTorch memory" in table
+    assert "reserved: max_memory_reserved" in table and "frag." in table
+    assert "fits: reserved + 0.98 GiB non-PyTorch memory" in table
 
 
 @pytest.mark.parametrize("extra, message", [
