@@ -188,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Korthikanti et al. 2022 per-layer activations against a traced "
                             "GPT-style layer (h 1024, 16 heads), and the pipeline first-stage "
                             "factors against tracemem's schedules")
+    which.add_argument("--schedules", action="store_true",
+                       help="every rank's parameter multiple and in-flight activations under "
+                            "1f1b, zb-h1 (ZB1P) and dualpipe beside the DeepSeek-V3 report's "
+                            "Table 2 and the zero-bubble paper, on the demo layout "
+                            "(DeepSeek-V3, PP 16, M 32; about a minute)")
     cross.add_argument("--b", type=_positive_int, default=1, help="micro-batch size (default 1)")
     cross.add_argument("--s", type=_positive_int, default=4096,
                        help="sequence length in tokens, a multiple of 2 (default 4096)")
@@ -464,6 +469,8 @@ def _run_crosscheck(args: argparse.Namespace) -> str:
 
     if args.paper and args.s % 2:
         raise TracememError(f"--s {args.s} must be a multiple of 2 (TP 2 with SP splits it)")
+    if args.schedules:
+        return _format_schedule_rows(args)
     if args.korthikanti:
         from tracemem.crosscheck import korthikanti_rows
         rows = korthikanti_rows(s=args.s, b=args.b)
@@ -489,6 +496,34 @@ def _run_crosscheck(args: argparse.Namespace) -> str:
         table, headers=["quantity", "formula", "traced", "traced - formula", "%", "reason"],
         disable_numparse=True, colalign=("left", "right", "right", "right", "right", "left"),
         maxcolwidths=[40, None, None, None, None, 70])
+
+
+def _format_schedule_rows(args: argparse.Namespace) -> str:
+    from tracemem.crosscheck import schedule_rows
+
+    rows = schedule_rows(b=args.b, s=args.s)
+    if args.json:
+        from dataclasses import asdict
+        return json.dumps([asdict(r) for r in rows], indent=2)
+    gib = 2**30
+    table = [[r.schedule, r.rank, _span(r.layers), f"{r.param_bytes / gib:.2f}",
+              f"{r.param_multiple:.2f} / {r.param_formula}",
+              f"{r.inflight} / {r.inflight_formula}", r.inflight_at_peak,
+              f"{r.activation_bytes / gib:.2f}", f"{r.peak_bytes / gib:.2f}", r.reason]
+             for r in rows]
+    head = (f"Pipeline schedules against the DeepSeek-V3 report's Table 2 (arXiv 2412.19437) "
+            f"and Qi et al. 2023 (arXiv 2401.10241): DeepSeek-V3 on the demo layout (world "
+            f"1024, TP 2 + SP, PP 16, EP 8, layers 4 / 4 x 14 / 1), b={args.b}, s={args.s}, "
+            f"M=32, ZeRO-1, megatron. Parameter multiple: the rank's parameters over a mean "
+            f"stage's; in-flight: model chunks of microbatches held, the schedule's most / "
+            f"Table 2's. GiB = 2^30 B. Under --kernels megatron-te (estimate's default) TE's "
+            f"Linear / GroupedLinear are autograd Functions that tracemem's I / W split does "
+            f"not yet defer, so zb-h1 matches 1f1b in bytes (docs/schedules.md).")
+    return head + "\n\n" + tabulate(
+        table, headers=["schedule", "rank", "layers", "params GiB", "params x (traced / "
+                        "Table 2)", "in-flight (most / Table 2)", "in-flight at peak",
+                        "activations GiB", "peak GiB", "reason"],
+        disable_numparse=True, maxcolwidths=[None] * 9 + [60])
 
 
 def _run_static(args: argparse.Namespace) -> str:

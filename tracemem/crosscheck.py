@@ -24,7 +24,7 @@ from tracemem.parallel import ParallelConfig
 from tracemem.static import static_memory
 from tracemem.tracer import MemoryTracer
 
-__all__ = ["Row", "paper_rows", "korthikanti_rows"]
+__all__ = ["Row", "paper_rows", "korthikanti_rows", "ScheduleRow", "schedule_rows", "DEMO_LAYOUT"]
 
 PAPER_LAYOUT = dict(world_size=1024, tp=2, sp=True, pp=16, ep=8, etp=1,
                     pp_layout=(4,) * 15 + (1,), plan="paper-2502.07846",
@@ -253,4 +253,95 @@ def korthikanti_rows(s: int = 2048, b: int = 1, h: int = 1024, a: int = 16,
                     round(chunks / vpp * 1000),
                     f"same accounting: rank 0 holds {chunks} chunks of 1/{vpp} stage "
                     f"(Megatron's warm-up + 1); values x 1000", ""))
+    return rows
+
+
+# The demo configuration (Makefile DEMO_ARGS) with M = 32, the fewest microbatches DualPipe
+# takes on PP 16 (2 * pp).
+DEMO_LAYOUT = dict(world_size=1024, tp=2, sp=True, pp=16, ep=8, etp=1,
+                   pp_first_stage_layers=4, pp_last_stage_layers=1, zero=1,
+                   precision="megatron")
+
+
+@dataclass(frozen=True)
+class ScheduleRow:
+    """One rank under one schedule: traced against the closed forms of
+    ``tracemem.formulas.pipeline_schedules``.
+
+    ``param_multiple``: the rank's parameter bytes over a mean stage's (all ranks' parameter
+    bytes over the number of chunks they hold); ``inflight``: the most model chunks of
+    microbatches the rank's schedule holds at once (``inflight_peak``); ``inflight_at_peak``:
+    those held at the rank's byte peak."""
+
+    schedule: str
+    rank: int
+    layers: list[int]
+    param_bytes: int
+    param_multiple: float
+    param_formula: int
+    inflight: int
+    inflight_formula: int
+    inflight_at_peak: int
+    activation_bytes: int
+    peak_bytes: int
+    reason: str
+
+
+def schedule_rows(model: str = "deepseek-v3", *, b: int = 1, s: int = 4096,
+                  num_microbatches: int = 32, schedules: tuple[str, ...] | None = None,
+                  layout: dict | None = None, **options) -> list[ScheduleRow]:
+    """Every rank of every schedule that takes ``layout`` (vpp 1: 1f1b, zb-h1, dualpipe;
+    vpp 2: zbv, dualpipev), traced by ``estimate``, beside the DeepSeek-V3 report's Table 2
+    and the zero-bubble paper, with the reason for each difference derived from the ranks'
+    chunks and the schedule's counts. ``options`` go to ``estimate`` (kernels, attention ...).
+
+    Raises:
+        TracememError: an invalid layout or a schedule it does not take.
+    """
+    from tracemem.formulas import pipeline_schedules as closed
+    from tracemem.schedules import inflight_peak, placement, schedule
+
+    layout = dict(DEMO_LAYOUT if layout is None else layout)
+    vpp = layout.get("vpp", 1)
+    if schedules is None:
+        schedules = ("1f1b", "zb-h1", "dualpipe") if vpp == 1 else ("zbv", "dualpipev")
+    rows = []
+    for name in schedules:
+        result = estimate(model, micro_batch_size=b, seq_length=s,
+                          num_microbatches=num_microbatches, schedule_name=name,
+                          **layout, **options)
+        par = result.parallel
+        where = placement(name, par.pp, par.vpp, num_microbatches)
+        steps = schedule(name, par.pp, par.vpp, num_microbatches)
+        held = [where.chunks_of(r.pp_stage) for r in result.ranks]
+        mean_stage = sum(r.parameter_bytes for r in result.ranks) / sum(map(len, held))
+        for r, chunks in zip(result.ranks, held):
+            p = r.pp_stage
+            multiple = r.parameter_bytes / mean_stage
+            count = inflight_peak(steps[p])
+            formula = closed.activation_multiple(name, par.pp)
+            reasons = []
+            if abs(multiple - closed.parameter_multiple(name)) > 0.005:
+                spans = ", ".join(
+                    f"{c} (layers {ls[0]}-{ls[-1]})" if ls else f"{c} (no layers)"
+                    for c, ls in zip(chunks, par.layers_of_stage(p, where)))
+                ends = [e for e, held_it in (("the embedding", 0 in chunks),
+                                             ("the head, loss and MTP",
+                                              where.num_chunks - 1 in chunks)) if held_it]
+                reasons.append(f"holds chunk(s) {spans}" + (f" with {' and '.join(ends)}"
+                               if ends else "") + "; Table 2 assumes equal stages")
+            if count != formula:
+                if name in ("1f1b", "zb-h1") and count == min(par.pp - p, num_microbatches):
+                    reasons.append(f"rank {p} holds min(PP - {p}, M) = {count} (Megatron's "
+                                   f"warm-up); Table 2's PP is rank 0's")
+                else:
+                    reasons.append(f"the schedule holds {count} chunks at most on this rank")
+            if r.inflight_microbatches != count:
+                reasons.append(f"the byte peak ({r.peak_step}) holds {r.inflight_microbatches}:"
+                               f" W's inputs or a backward's transients outweigh one more "
+                               f"forward")
+            rows.append(ScheduleRow(name, p, r.layers, r.parameter_bytes, round(multiple, 3),
+                                    closed.parameter_multiple(name), count, formula,
+                                    r.inflight_microbatches, r.activation_bytes, r.peak_bytes,
+                                    "; ".join(reasons)))
     return rows

@@ -104,3 +104,15 @@ def test_megatron_bytes_per_parameter():
     assert megatron.weight_and_optimizer_bytes_per_param(32, False) == 18
     assert megatron.weight_and_optimizer_bytes_per_param(32, True) == 6 + 12 / 32 == 6.375
     assert megatron.weight_and_optimizer_bytes_per_param(8, True) == 7.5
+
+
+def test_pipeline_schedule_closed_forms_are_table_2():
+    """DeepSeek-V3 report Table 2 (arXiv 2412.19437): 1F1B 1x / PP, ZB1P 1x / PP, DualPipe
+    2x / PP + 1; DualPipe README: DualPipeV 2x / PP + 1 with PP = 2 x devices stages; Qi et
+    al. 2023: ZB-V holds p M_B = 2 p half-stage chunks."""
+    from tracemem.formulas import pipeline_schedules as closed
+    assert [closed.parameter_multiple(n) for n in ("1f1b", "zb-h1", "dualpipe")] == [1, 1, 2]
+    assert [closed.activation_multiple(n, 16) for n in ("1f1b", "zb-h1", "dualpipe")] == \
+        [16, 16, 17]
+    assert closed.activation_multiple("dualpipev", 4) == 9  # 8 stages + 1
+    assert closed.activation_multiple("zbv", 4) == 8
