@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--hbm", default=None,
                       help="device memory per GPU, e.g. 80GiB, to say whether each rank fits "
                            "(write --hbm=VALUE for a value starting with -)")
+    step.add_argument("--optimizer", default="fused",
+                      help="the optimizer step's Adam: fused (Megatron's TE / apex FusedAdam, no "
+                           "temporaries) or torch (torch.optim.Adam, foreach, traced) (default "
+                           "%(default)s)")
     step.add_argument("--alloc-conf", default=None, metavar="SETTINGS",
                       help="CUDA caching-allocator settings, as PYTORCH_CUDA_ALLOC_CONF: e.g. "
                            "expandable_segments:True,max_split_size_mb:128 (default: PyTorch's "
@@ -424,6 +428,7 @@ def _run_estimate(args: argparse.Namespace) -> str:
         experts=args.experts, routing=args.routing, seed=args.seed,
         rounding=args.rounding or None, deallocate_pipeline_outputs=args.deallocate,
         hbm=args.hbm, progress=progress, zero3_prefetch=args.zero3_prefetch,
+        optimizer=args.optimizer,
         kernels=args.kernels, kernel_options=_kernel_options(args),
         alloc_conf=args.alloc_conf, snapshot=args.snapshot, plot=args.plot,
         **({} if args.non_pytorch_memory is None else

@@ -17,8 +17,10 @@ Conventions, each a line item:
   freed at once.
 - A stage keeps its received input until the microbatch's backward; its sent output's data is
   freed at once (Megatron's ``deallocate_output_tensor``, on by default).
-- Not modelled: the optimizer step's own temporaries (Megatron's fused Adam allocates none),
-  NCCL and kernel workspaces, the caching allocator beyond block rounding.
+- The whole iteration: after the schedule's last step the optimizer step is replayed as step
+  "O" (``tracemem.optimizer_step``: the distributed optimizer's fp32 gradient copies, the Adam
+  kernel's temporaries); ``RankEstimate.peak_phase`` says which phase holds the peak.
+- Not modelled: NCCL and kernel workspaces, the caching allocator beyond block rounding.
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ from modeling.parallel.pp import (
     send_forward,
 )
 from modeling.routing import RoutingModel, parse_routing
-from tracemem.categories import Category
+from tracemem.categories import Category, Phase
 from tracemem.errors import TracememError
 from tracemem.memory import MemoryTimeline, parse_alloc_conf, write_snapshot
 from tracemem.memory.plot import check_plot_path, plot_timelines
 from tracemem.memory.timeline import replay_through_allocator, step_at
+from tracemem.optimizer_step import check_optimizer, trace_optimizer_step
 from tracemem.parallel import ParallelConfig
 from tracemem.schedules import Placement, Step, placement, schedule
 from tracemem.split_backward import backward_input
@@ -96,7 +99,10 @@ class RankEstimate:
         pp_stage: pipeline rank; ep_rank: the EP rank traced (None when all are alike);
         rank: the global rank traced; layers: its decoder layers.
         inflight_microbatches: microbatch forwards (model chunks) held at the peak.
-        peak_step: the schedule step running at the peak (``"0F3"``), or None if the static
+        peak_phase: "forward", "backward" (B, I or W steps) or "optimizer" (the step after
+            the schedule, ``tracemem.optimizer_step``): where the peak is; None: static alone.
+        peak_step: the schedule step running at the peak (``"0F3"``, or ``"optimizer"``), or
+            None if the static
             memory alone is the peak.
         peak_bytes: the peak; parameter / gradient / optimizer_state / buffer bytes come from
             ``static``; activation / comm_buffer / temporary / input bytes from the replay.
@@ -136,6 +142,7 @@ class RankEstimate:
     reserved_peak_step: str | None = None
     fits: bool | None = None
     memory: MemoryTimeline | None = field(default=None, repr=False)
+    peak_phase: str | None = None
 
     def dominant(self) -> tuple[str, int]:
         """The largest line item at the peak."""
@@ -193,7 +200,8 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
                 recompute_modules: frozenset[str], deallocate: bool,
                 rounding: int | None, kernels: KernelProfile | str = "eager",
                 zero3_prefetch: bool = True, where: Placement | None = None,
-                kinds: frozenset[str] = frozenset("B")) -> tuple[object, Segments]:
+                kinds: frozenset[str] = frozenset("B"),
+                optimizer: str = "fused") -> tuple[object, Segments]:
     """``kinds``: "B" traces forwards with full backwards, "I" forwards with split ones."""
     model = build_rank(cfg, par, rank, attention=attention, experts=experts,
                        dtype=torch.bfloat16, kernels=kernels, placement=where)
@@ -264,6 +272,11 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
         for key, events in segments.events.items():
             if key[1] in ("B", "I", "W"):
                 segments.events[key] = [e for e in events if not is_fused_wgrad(e, fused)]
+    # the optimizer step after the schedule (tracemem.optimizer_step), replayed as step "O"
+    start = len(tracer.events)
+    trace_optimizer_step(model, par, tracer, optimizer)
+    segments.events[(0, "O", 0)] = [e for e in tracer.events[start:]
+                                    if e.phase is not Phase.EXTERNAL]
     return model, segments
 
 
@@ -374,6 +387,9 @@ def replay_schedule(steps: list[Step], pp: int, segments: Segments,
     return ReplayPeak(peak, peak_at, inflight_at_peak, by_category, by_module, largest)
 
 
+_PHASES = {"F": "forward", "B": "backward", "I": "backward", "W": "backward", "O": "optimizer"}
+
+
 def _worst_ep_rank(cfg: ModelConfig, par: ParallelConfig, stage: int, routing: RoutingModel,
                    tokens: int, where: Placement | None = None) -> int:
     """The EP rank of ``stage`` whose experts receive the most token-slots."""
@@ -398,7 +414,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
              zero3_prefetch: bool = True, kernels: str = "megatron-te",
              kernel_options: dict | None = None, alloc_conf: str | None = None,
              non_pytorch_memory: str = NON_PYTORCH_MEMORY_DEFAULT, snapshot: str | None = None,
-             plot: str | None = None, **layout) -> Estimate:
+             plot: str | None = None, optimizer: str = "fused", **layout) -> Estimate:
     """Peak memory of every distinct rank.
 
     Args:
@@ -428,6 +444,8 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
         snapshot: a directory to write one ``torch.cuda.memory._snapshot()`` pickle per rank
             class into (``stage3.pickle``, ``stage3_ep5.pickle``).
         plot: a .png or .svg file to draw every rank class's memory over the step into.
+        optimizer: the step's Adam: "fused" (Megatron's TE / apex FusedAdam, the default) or
+            "torch" (``torch.optim.Adam``, foreach); ``tracemem.optimizer_step``.
 
     Raises:
         TracememError: any invalid input, with the flag, the value and a fix.
@@ -454,6 +472,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
             raise TracememError(f"gradient_accumulation_fusion={fusion} and kernel_options' "
                                 f"gradient_accumulation_fusion disagree; give one")
     profile = get_profile(kernels, **kernel_options)
+    check_optimizer(optimizer, par)
     alloc_config = parse_alloc_conf(alloc_conf)
     outside = parse_bytes(non_pytorch_memory, "--non-pytorch-memory", zero=True)
     capacity = None if hbm_bytes is None else hbm_bytes - outside
@@ -499,10 +518,14 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                 attention=attention, experts=experts, recompute=recompute,
                 recompute_modules=frozenset(recompute_modules),
                 deallocate=deallocate_pipeline_outputs, rounding=rounding,
-                zero3_prefetch=zero3_prefetch, kernels=profile, where=where, kinds=kinds)
+                zero3_prefetch=zero3_prefetch, kernels=profile, where=where, kinds=kinds,
+                optimizer=optimizer)
             cache[signature] = (static_memory(model_obj, par), segments)
         static, segments = cache[signature]
         steps = steps_by_rank[stage]
+        # the optimizer step after the schedule's last step, on the traced "O" segment
+        first = next(s for s in steps if where.chunk_index(stage, s.stage) == 0)
+        steps = steps + [Step(first.stage, "O", 0)]
         # ZeRO-3 gathers are traced events, not the static line item
         replayed = replay_schedule(steps, par.pp, segments,
                                    static.total_bytes - static.zero3_gather_bytes,
@@ -523,7 +546,10 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
         live, modules = replayed.by_category, replayed.by_module
         results.append(RankEstimate(
             pp_stage=stage, ep_rank=ep_rank, rank=rank, layers=layers,
-            inflight_microbatches=inflight, peak_step=None if at is None else str(steps[at]),
+            inflight_microbatches=inflight,
+            peak_step=None if at is None else
+            "optimizer" if steps[at].kind == "O" else str(steps[at]),
+            peak_phase=None if at is None else _PHASES[steps[at].kind],
             peak_bytes=peak, parameter_bytes=static.param_bytes,
             gradient_bytes=static.grad_bytes + live.get("gradient", 0),
             optimizer_state_bytes=static.optimizer_bytes,
@@ -549,7 +575,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                 "kernel_options": dict(profile.options),
                 "deallocate_pipeline_outputs": deallocate_pipeline_outputs,
                 "zero3_prefetch": zero3_prefetch, "alloc_conf": alloc_config.text,
-                "non_pytorch_memory_bytes": outside}
+                "non_pytorch_memory_bytes": outside, "optimizer": optimizer}
     if plot is not None:
         plot_timelines([r.memory for r in results], plot, hbm_bytes=hbm_bytes,
                        usable_bytes=capacity,

@@ -223,7 +223,8 @@ def get_estimate(result, fits: Sequence[Any] | None = None) -> dict[str, Any]:
         row = {"pp_stage": r.pp_stage, "ep_rank": r.ep_rank, "rank": r.rank,
                "stage_ranks": [list(span) for span in spans[r.pp_stage]],
                "layers": r.layers, "inflight_microbatches": r.inflight_microbatches,
-               "peak_step": r.peak_step, "peak_bytes": r.peak_bytes}
+               "peak_step": r.peak_step, "peak_phase": r.peak_phase,
+               "peak_bytes": r.peak_bytes}
         row.update({name: getattr(r, name) for name in _RANK_FIELDS})
         row.update({name: getattr(r, name) for name in _ALLOCATOR_FIELDS})
         row["fits"] = r.fits  # reserved peak + non-PyTorch memory <= hbm (estimator)
