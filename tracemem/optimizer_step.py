@@ -47,15 +47,14 @@ __all__ = ["OPTIMIZERS", "trace_optimizer_step"]
 OPTIMIZERS = ("fused", "torch")
 
 
-def _shard_numels(model: nn.Module, par) -> list[int]:
-    """Elements of each parameter's optimizer shard on this rank (``SHARDING``'s
-    optimizer_states rows; a parameter split over the group is taken as ceil(n / group))."""
-    out = []
+def _shard_numels(model: nn.Module, par, quantity: str) -> list[int]:
+    """Elements of this rank's shard of the dense and of the expert parameters, as
+    ``SHARDING``'s ``quantity`` rows split them: ceil(total / group), one contiguous range of
+    each buffer (Megatron's per-parameter pieces of that range are taken together)."""
+    totals = {"dense": 0, "expert": 0}
     for name, param in model.named_parameters():
-        kind = "expert" if is_expert_param(name, par.plan) else "dense"
-        ways = par.shards("optimizer_states", kind)
-        out.append(-(-param.numel() // ways))
-    return out
+        totals["expert" if is_expert_param(name, par.plan) else "dense"] += param.numel()
+    return [-(-n // par.shards(quantity, kind)) for kind, n in totals.items() if n]
 
 
 def check_optimizer(optimizer: str, par) -> None:
@@ -80,12 +79,11 @@ def trace_optimizer_step(model: nn.Module, par, tracer, optimizer: str = "fused"
     """
     check_optimizer(optimizer, par)
     spec = par.precision_spec
-    shards = _shard_numels(model, par)
     meta = torch.device("meta")
     adam = None
     if optimizer == "torch":
         masters = [nn.Parameter(torch.empty(n, dtype=torch.float32, device=meta))
-                   for n in shards]
+                   for n in _shard_numels(model, par, "optimizer_states")]
         for master in masters:
             master.grad = torch.empty_like(master)  # stands for the buffer's shard (static)
         adam = torch.optim.Adam(masters, foreach=True)
@@ -95,7 +93,8 @@ def trace_optimizer_step(model: nn.Module, par, tracer, optimizer: str = "fused"
         copies = []
         if not spec.use_precision_aware_optimizer and spec.grad_bytes == 2 \
                 and par.zero < 3:  # Megatron-FSDP returns before the copy
-            copies = [torch.empty(n, dtype=torch.float32, device=meta) for n in shards]
+            copies = [torch.empty(n, dtype=torch.float32, device=meta)
+                      for n in _shard_numels(model, par, "step_grad_copies")]
         if adam is not None:
             adam.step()
         del copies

@@ -74,6 +74,16 @@ SHARDING = (
                  f"{_FSDP}: a unit's dense parameters all-gathered over dp_cp"),
     ShardingRule("zero3_gathers", "expert", "edp", 3,
                  f"{_FSDP}: a unit's expert parameters all-gathered over expt_dp"),
+    # the distributed optimizer's step (tracemem.optimizer_step): each rank's shard of the grad
+    # buffer (reduce-scattered in place over the same groups) becomes its masters' gradients
+    ShardingRule("step_grad_copies", "dense", "dp_cp", 1,
+                 "megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer."
+                 "_copy_model_grads_to_main_grads: this rank's range of the dense buffer "
+                 "(intra_dp_cp_group)"),
+    ShardingRule("step_grad_copies", "expert", "edp", 1,
+                 "megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer."
+                 "_copy_model_grads_to_main_grads: this rank's range of the expert buffer "
+                 "(intra_expt_dp_group)"),
 )
 
 

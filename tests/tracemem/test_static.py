@@ -137,11 +137,31 @@ def test_sharding_table_every_row_with_cp_ep_etp_and_pp():
     assert expected[3] == (66_140, 132_280, 396_840)
 
 
+def test_step_grad_copies_rows_with_cp_ep_etp_and_pp():
+    """The step_grad_copies rows: under --grad-reduce-in-bf16 the distributed optimizer makes an
+    fp32 copy of this rank's shard of the grad buffer: 4 B x (dense / DP x CP + expert / EDP)."""
+    import torch
+
+    from tracemem.optimizer_step import trace_optimizer_step
+    from tracemem.tracer import MemoryTracer
+    par = ParallelConfig.create(TINY, world_size=16, cp=2, pp=2, ep=2, etp=2,
+                                grad_reduce_in_bf16=True)
+    model = build_rank(TINY, par, 8, dtype=torch.bfloat16)
+    tracer = MemoryTracer(devices={"meta"})
+    tracer.track_external(model)
+    trace_optimizer_step(model, par, tracer)
+    allocs = [e.nbytes for e in tracer.events
+              if e.action == "alloc" and e.phase.value != "external"]
+    assert sorted(allocs) == sorted([4 * -(-STAGE1_DENSE // DP_CP), 4 * (STAGE1_EXPERT // EDP)])
+    assert sum(allocs) == 4 * (14_638 + 18_432)
+
+
 def test_sharding_table_rows_are_cited():
     from tracemem.parallel import GROUPS, SHARDING
     quantities = {(rule.quantity, rule.kind) for rule in SHARDING}
     assert quantities >= {(q, k) for q in ("parameters", "gradients", "optimizer_states",
-                                           "zero3_gathers") for k in ("dense", "expert")}
+                                           "zero3_gathers", "step_grad_copies")
+                          for k in ("dense", "expert")}
     assert all(rule.group in GROUPS and "megatron/core/" in rule.source for rule in SHARDING)
 
 
