@@ -23,7 +23,7 @@ def main() -> None:
     for label, extra in [("demo (flash, no recompute)", {}),
                          ("full recompute", {"recompute": "full"}),
                          ("eager attention", {"attention": "eager"}),
-                         ("zipf:1.0 routing (worst EP rank per stage)", {"routing": "zipf:1.0"})]:
+                         ("zipf:1.0 routing (every EP-rank class)", {"routing": "zipf:1.0"})]:
         start = time.perf_counter()
         result = estimate("deepseek-v3", **(DEMO | extra))
         seconds = time.perf_counter() - start

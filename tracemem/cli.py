@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens per expert: balanced, zipf:ALPHA, hot:K:FRACTION or "
                            "counts:FILE (default balanced)")
     step.add_argument("--seed", type=int, default=0, help="seed of the routing model")
+    step.add_argument("--max-ep-classes", type=int, default=8,
+                      help="under skewed routing, the most classes of EP ranks (ranks whose "
+                           "experts receive the same token counts) traced per pipeline stage; "
+                           "each class is one trace (default 8)")
     step.add_argument("--rounding", type=int, default=512,
                       help="round each allocation up to this many bytes; 512 is the CUDA "
                            "caching allocator's block, 0 exact bytes (default 512)")
@@ -426,6 +430,7 @@ def _run_estimate(args: argparse.Namespace) -> str:
         recompute_modules=tuple(args.recompute_modules or ("core_attn",)),
         attention=args.attention,
         experts=args.experts, routing=args.routing, seed=args.seed,
+        max_ep_classes=args.max_ep_classes,
         rounding=args.rounding or None, deallocate_pipeline_outputs=args.deallocate,
         hbm=args.hbm, progress=progress, zero3_prefetch=args.zero3_prefetch,
         optimizer=args.optimizer,

@@ -97,6 +97,8 @@ class RankEstimate:
 
     Attributes:
         pp_stage: pipeline rank; ep_rank: the EP rank traced (None when all are alike);
+        ep_ranks: the EP ranks of the class, which trace alike (``ep_rank_classes``) and so
+            share this peak (empty when all are alike);
         rank: the global rank traced; layers: its decoder layers.
         inflight_microbatches: microbatch forwards (model chunks) held at the peak.
         peak_phase: "forward", "backward" (B, I or W steps) or "optimizer" (the step after
@@ -143,6 +145,7 @@ class RankEstimate:
     fits: bool | None = None
     memory: MemoryTimeline | None = field(default=None, repr=False)
     peak_phase: str | None = None
+    ep_ranks: tuple[int, ...] = ()
 
     def dominant(self) -> tuple[str, int]:
         """The largest line item at the peak."""
@@ -390,19 +393,50 @@ def replay_schedule(steps: list[Step], pp: int, segments: Segments,
 _PHASES = {"F": "forward", "B": "backward", "I": "backward", "W": "backward", "O": "optimizer"}
 
 
-def _worst_ep_rank(cfg: ModelConfig, par: ParallelConfig, stage: int, routing: RoutingModel,
-                   tokens: int, where: Placement | None = None) -> int:
-    """The EP rank of ``stage`` whose experts receive the most token-slots."""
+MAX_EP_CLASSES = 8  # default cap on EP-rank classes traced per pipeline stage
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+
+
+def _moe_layers_of_stage(cfg: ModelConfig, par: ParallelConfig, stage: int,
+                         where: Placement) -> list[int]:
+    """The MoE layer numbers (routing-model layer ids) pipeline rank ``stage`` runs: its
+    decoder layers', and where it holds the last model chunk its MTP modules'
+    (``num_layers + i``, ``modeling.model.Transformer``)."""
+    layers = [i for chunk in par.layers_of_stage(stage, where) for i in chunk]
+    if where.num_chunks - 1 in where.chunks_of(stage):
+        layers += [cfg.num_layers + i for i in range(cfg.num_mtp_modules)]
+    return [layer for layer in layers if cfg.is_moe_layer(layer)]
+
+
+def ep_rank_classes(cfg: ModelConfig, par: ParallelConfig, stage: int, routing: RoutingModel,
+                    tokens: int, where: Placement) -> list[list[int]]:
+    """The EP ranks of pipeline rank ``stage`` grouped into classes that trace alike: ranks
+    whose local routed experts receive equal token-slot counts, expert by expert, in every MoE
+    layer of the stage (``routing.counts`` of ``tokens`` local tokens; ``where``: the
+    schedule's chunk placement). A rank's model and its
+    MoE forward depend on nothing else that differs between EP ranks (``modeling.moe.MoE``
+    reads only its own experts' counts), so one trace per class gives each rank's exact peak.
+
+    Returns the classes in order of their lowest EP rank, each a sorted list of EP ranks.
+    """
     per_ep = cfg.num_routed_experts // par.ep
-    load = [0] * par.ep
-    for chunk in par.layers_of_stage(stage, where):
-        for layer in chunk:
-            if cfg.is_moe_layer(layer):
-                counts = routing.counts(tokens, cfg.num_experts_per_tok,
-                                        cfg.num_routed_experts, layer)
-                for e in range(par.ep):
-                    load[e] += sum(counts[e * per_ep:(e + 1) * per_ep])
-    return max(range(par.ep), key=lambda e: (load[e], -e))
+    rows = [routing.counts(tokens, cfg.num_experts_per_tok, cfg.num_routed_experts, layer)
+            for layer in _moe_layers_of_stage(cfg, par, stage, where)]
+    classes: dict[tuple, list[int]] = {}
+    for e in range(par.ep):
+        key = tuple(tuple(row[e * per_ep:(e + 1) * per_ep]) for row in rows)
+        classes.setdefault(key, []).append(e)
+    return list(classes.values())
 
 
 def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int,
@@ -414,7 +448,8 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
              zero3_prefetch: bool = True, kernels: str = "megatron-te",
              kernel_options: dict | None = None, alloc_conf: str | None = None,
              non_pytorch_memory: str = NON_PYTORCH_MEMORY_DEFAULT, snapshot: str | None = None,
-             plot: str | None = None, optimizer: str = "fused", **layout) -> Estimate:
+             plot: str | None = None, optimizer: str = "fused",
+             max_ep_classes: int = MAX_EP_CLASSES, **layout) -> Estimate:
     """Peak memory of every distinct rank.
 
     Args:
@@ -429,7 +464,11 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
         kernels, kernel_options: the kernel profile (``modeling.kernels.KERNEL_PROFILES``:
             "megatron-te", the default, "torch" or "eager") and its options
             (``modeling.kernels.MEGATRON_TE_OPTIONS``).
-        routing, seed: a routing model spec (``modeling.routing.parse_routing``).
+        routing, seed: a routing model spec (``modeling.routing.parse_routing``). Under
+            routing other than balanced with EP > 1, every class of EP ranks that trace alike
+            (``ep_rank_classes``) is traced and reported, one ``RankEstimate`` each.
+        max_ep_classes: the most EP-rank classes traced per pipeline stage (default 8); more
+            raises TracememError naming the count (the work grows with it).
         rounding: CUDA block rounding in bytes (512) or None for exact bytes.
         hbm: device memory, e.g. "80GiB", to say whether each rank fits.
         progress: called with a message before each rank class is traced.
@@ -453,7 +492,8 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
     cfg = model if isinstance(model, ModelConfig) else load_config(model)
     par = ParallelConfig.create(cfg, world_size=world_size, **layout)
     for flag, value in (("--micro-batch-size", micro_batch_size), ("--seq-length", seq_length),
-                        ("--num-microbatches", num_microbatches)):
+                        ("--num-microbatches", num_microbatches),
+                        ("--max-ep-classes", max_ep_classes)):
         if not isinstance(value, int) or value <= 0:
             raise TracememError(f"{flag} {value!r} must be a positive integer")
     if par.tp > 1 and par.ep > 1 and not par.sp:
@@ -497,10 +537,20 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                                 f"(W would gather the parameters again); use --zero 1 or 2")
     tokens = micro_batch_size * seq_length // split
     results, cache = [], {}
+    units = []  # (pipeline stage, the EP ranks of one class): one trace each
     for stage in range(par.pp):
-        ep_rank = None
+        classes = [list(range(par.ep))]
         if routing != "balanced" and par.ep > 1:
-            ep_rank = _worst_ep_rank(cfg, par, stage, routing_model, tokens, where)
+            classes = ep_rank_classes(cfg, par, stage, routing_model, tokens, where)
+            if len(classes) > max_ep_classes:
+                raise TracememError(
+                    f"--routing {routing} gives pipeline stage {stage} {len(classes)} distinct "
+                    f"EP-rank loads (EP ranks whose experts receive different token counts), "
+                    f"each traced once; the cap is --max-ep-classes {max_ep_classes}: raise it "
+                    f"to {len(classes)} (about {len(classes)} traces per stage)")
+        units += [(stage, ep_ranks, len(classes)) for ep_ranks in classes]
+    for stage, ep_ranks, num_classes in units:
+        ep_rank = None if len(ep_ranks) == par.ep else ep_ranks[0]
         rank = stage * (par.world_size // par.pp) + (ep_rank or 0) * par.etp
         assert coordinates(par, rank).ep_rank == (ep_rank or 0)
         layers = [i for chunk in par.layers_of_stage(stage, where) for i in chunk]
@@ -511,7 +561,8 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                      tuple(cfg.is_moe_layer(i) for i in layers),
                      None if routing == "balanced" else tuple(layers), kinds)
         if progress:
-            progress(f"tracing pipeline stage {stage + 1}/{par.pp}")
+            progress(f"tracing pipeline stage {stage + 1}/{par.pp}" + (
+                f", EP ranks {_ranks_text(ep_ranks)}" if num_classes > 1 else ""))
         if signature not in cache:
             model_obj, segments = _trace_rank(
                 cfg, par, rank, b=micro_batch_size, s=seq_length, routing=routing_model,
@@ -565,7 +616,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
             reserved_peak_step=step_at(timeline, mem.reserved_peak_event),
             fits=None if hbm_bytes is None else (mem.reserved_peak + outside <= hbm_bytes
                                                  and mem.num_ooms == 0),
-            memory=timeline))
+            memory=timeline, ep_ranks=tuple(ep_ranks) if ep_rank is not None else ()))
     settings = {"micro_batch_size": micro_batch_size, "seq_length": seq_length,
                 "num_microbatches": num_microbatches, "schedule": schedule_name,
                 "recompute": recompute,

@@ -220,7 +220,8 @@ def get_estimate(result, fits: Sequence[Any] | None = None) -> dict[str, Any]:
     spans = stage_ranks(par)
     ranks = []
     for r in result.ranks:
-        row = {"pp_stage": r.pp_stage, "ep_rank": r.ep_rank, "rank": r.rank,
+        row = {"pp_stage": r.pp_stage, "ep_rank": r.ep_rank, "ep_ranks": list(r.ep_ranks),
+               "rank": r.rank,
                "stage_ranks": [list(span) for span in spans[r.pp_stage]],
                "layers": r.layers, "inflight_microbatches": r.inflight_microbatches,
                "peak_step": r.peak_step, "peak_phase": r.peak_phase,
@@ -242,6 +243,7 @@ def get_estimate(result, fits: Sequence[Any] | None = None) -> dict[str, Any]:
         "hbm_bytes": result.hbm_bytes,
         "ranks": ranks,
         "worst": {"pp_stage": worst.pp_stage, "ep_rank": worst.ep_rank,
+                  "ep_ranks": list(worst.ep_ranks),
                   "peak_bytes": worst.peak_bytes, "dominant": worst.dominant()[0]},
         "verdict": get_verdict(result),
     }
@@ -277,8 +279,9 @@ def _legend(result, units: str) -> list[str]:
         else:
             lines.append('EP rank "-": no expert parallelism (EP 1).')
     else:
-        lines.append(f"EP rank: the stage's most loaded EP rank under routing "
-                     f"{result.settings.get('routing')} (the one traced).")
+        lines.append(f"EP rank: under routing {result.settings.get('routing')}, each row is "
+                     f"one class of the stage's EP ranks, those whose experts receive the same "
+                     f"token counts in every MoE layer: traced once, they share its peak.")
     recipe = par.precision_spec  # the --precision recipe with any precision flags applied
     kinds = {1: "fp8", 2: "bf16", 4: "fp32"}
     g, p = recipe.grad_bytes, recipe.param_bytes
@@ -318,6 +321,13 @@ def _allocator_legend(result, units: str) -> str:
     return line + "."
 
 
+def _ep_ranks_text(r) -> str:
+    """The EP ranks of a rank class: "-" when all are alike, else e.g. "0-2,5"."""
+    from tracemem.estimator import _ranks_text
+
+    return "-" if r.ep_rank is None else _ranks_text(list(r.ep_ranks) or [r.ep_rank])
+
+
 def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = None) -> str:
     """One row per rank class, in ``units`` (one of ``UNITS``, or "auto": ``pick_units`` of
     the worst peak), a legend, the worst rank, the verdict, and with ``fits``
@@ -331,7 +341,7 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
     for r in result.ranks:
         fits_cell = "" if r.fits is None else ("yes" if r.fits else "NO")  # reserved-based
         rows.append([r.pp_stage, _format_spans(spans[r.pp_stage]),
-                     "-" if r.ep_rank is None else r.ep_rank]
+                     _ep_ranks_text(r)]
                     + [format_size(n, units) for n in (
                         r.parameter_bytes, r.gradient_bytes, r.optimizer_state_bytes,
                         r.activation_bytes)]
@@ -357,7 +367,7 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
     worst = result.worst
     item, size = worst.dominant()
     where = f"stage {worst.pp_stage}" + ("" if worst.ep_rank is None else
-                                          f", EP rank {worst.ep_rank}")
+                                          f", EP rank {_ep_ranks_text(worst)}")
     n = worst.inflight_microbatches
     held = (f"{n} microbatch{'' if n == 1 else 'es'} in flight" if par.vpp == 1 else
             f"{n} model-chunk forward{'' if n == 1 else 's'} in flight")
