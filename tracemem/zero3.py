@@ -16,7 +16,12 @@ Rules, each from torch 2.13's FSDP2 (``torch/distributed/fsdp/_fully_shard/``):
   defaults to True (``fully_shard`` in ``_fully_shard.py``), except for the root, whose
   ``post_forward_mesh_info`` is set to None (``FSDPState._lazy_init`` in ``_fsdp_state.py``:
   "For the root, do not reshard after forward"): its parameters stay gathered until the end of
-  backward.
+  backward. The output head is wrapped with ``reshard_after_forward=False`` too, as torchtitan
+  does by default (torchtitan/models/llama3/infra/parallelize.py ``apply_fsdp``:
+  ``fully_shard([model.norm, model.output], reshard_after_forward=reshard_after_forward_policy
+  == "always")``, "do not reshard_after_forward the last layers ... since FSDP would prefetch
+  them immediately"): the head stays gathered from its forward, through the loss, to its
+  backward (``Zero3Gathers(keep_after_forward=...)`` changes the set).
 - ``FSDPState._post_forward`` / ``_register_pre_backward_hook``: a hook on the forward output's
   gradient unshards again before the unit's backward (``FSDPParamGroup.pre_backward``).
 - ``FSDPParamGroup._register_post_backward_hook`` (``RegisterPostBackwardFunction`` on inputs
@@ -97,8 +102,10 @@ class Zero3Gathers:
     their device, tagged ``parameter``.
     """
 
-    def __init__(self, prefetch: bool = True):
+    def __init__(self, prefetch: bool = True, keep_after_forward: frozenset[str] = frozenset(
+            {"head"})):
         self.prefetch = prefetch
+        self.keep_after_forward = keep_after_forward
         self._sizes: dict[str, tuple[int, torch.dtype]] = {}
         self._gathered: dict[str, Tensor] = {}
         self._order: list[str] = []  # post-forward order of this forward (with multiplicity)
@@ -165,7 +172,8 @@ class Zero3Gathers:
     def _post_forward(self, name: str, output):
         if not name:
             return None  # the root stays gathered until the end of backward
-        self.free(name)
+        if name not in self.keep_after_forward:
+            self.free(name)
         self._indices.setdefault(name, []).append(len(self._order))
         self._order.append(name)
         if isinstance(output, Tensor) and output.requires_grad:
