@@ -108,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
                       help="activation recompute: full recomputes every decoder layer, "
                            "selective the --recompute-modules (default %(default)s)")
+    step.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform",
+                      help="under --recompute full, Megatron's method: uniform checkpoints "
+                           "groups of --recompute-num-layers layers, block only the first "
+                           "--recompute-num-layers layers of each model chunk (default "
+                           "uniform)")
+    step.add_argument("--recompute-num-layers", type=int, default=1,
+                      help="layers per checkpoint (uniform) or layers recomputed per model "
+                           "chunk (block) (default 1)")
     step.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES,
                       default=None,
                       help="modules recomputed under --recompute selective (default core_attn; "
@@ -428,6 +436,7 @@ def _run_estimate(args: argparse.Namespace) -> str:
         seq_length=args.seq_length, num_microbatches=args.num_microbatches,
         schedule_name=args.schedule, recompute=args.recompute,
         recompute_modules=tuple(args.recompute_modules or ("core_attn",)),
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         attention=args.attention,
         experts=args.experts, routing=args.routing, seed=args.seed,
         max_ep_classes=args.max_ep_classes,

@@ -53,6 +53,7 @@ from tracemem.memory.timeline import replay_through_allocator, step_at
 from tracemem.optimizer_step import check_optimizer, trace_optimizer_step
 from tracemem.parallel import ParallelConfig
 from tracemem.schedules import Placement, Step, placement, schedule
+from tracemem.recompute import apply_recompute_method, check_recompute_method
 from tracemem.split_backward import backward_input
 from tracemem.static import StaticMemory, fused_wgrad_modules, is_fused_wgrad, static_memory
 from tracemem.tracer import MemoryEvent, MemoryTracer
@@ -201,6 +202,7 @@ class ReplayPeak:
 def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: int,
                 routing: RoutingModel, attention: str, experts: str, recompute: str,
                 recompute_modules: frozenset[str], deallocate: bool,
+                recompute_method: tuple[str, int] = ("uniform", 1),
                 rounding: int | None, kernels: KernelProfile | str = "eager",
                 zero3_prefetch: bool = True, where: Placement | None = None,
                 kinds: frozenset[str] = frozenset("B"),
@@ -213,6 +215,8 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
     for module in model.modules():
         if isinstance(module, Block):
             module.set_recompute(recompute, recompute_modules)
+    if recompute == "full":
+        apply_recompute_method(model, *recompute_method)
     seq = s // par.cp
     local = seq // (par.tp if par.sp else 1)
     tracer = MemoryTracer(rounding=rounding, devices={"meta"})
@@ -442,6 +446,7 @@ def ep_rank_classes(cfg: ModelConfig, par: ParallelConfig, stage: int, routing: 
 def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int,
              seq_length: int, num_microbatches: int, schedule_name: str = "1f1b",
              recompute: str = "none", recompute_modules: tuple[str, ...] = ("core_attn",),
+             recompute_method: str = "uniform", recompute_num_layers: int = 1,
              attention: str = "flash", experts: str = "auto", routing: str = "balanced",
              seed: int = 0, rounding: int | None = 512, deallocate_pipeline_outputs: bool = True,
              hbm: str | None = None, progress: Callable[[str], None] | None = None,
@@ -460,6 +465,9 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
         micro_batch_size, seq_length, num_microbatches: b, s (tokens) and M per step.
         schedule_name: ``tracemem.schedules.SCHEDULES``.
         recompute, recompute_modules: ``modeling.block.Block.set_recompute``.
+        recompute_method, recompute_num_layers: under full recompute, Megatron's
+            ``--recompute-method uniform|block`` and ``--recompute-num-layers``
+            (``tracemem.recompute``; default uniform 1: every layer on its own).
         attention, experts: kernels (``modeling.mla``, ``modeling.moe``).
         kernels, kernel_options: the kernel profile (``modeling.kernels.KERNEL_PROFILES``:
             "megatron-te", the default, "torch" or "eager") and its options
@@ -504,6 +512,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
     if seq_length % split:
         raise TracememError(f"--seq-length {seq_length} must be a multiple of cp * sp = "
                             f"{split} (the sequence is split across them)")
+    check_recompute_method(recompute, recompute_method, recompute_num_layers)
     hbm_bytes = parse_bytes(hbm) if hbm else None
     kernel_options = dict(kernel_options or {})
     fusion = par.precision_spec.gradient_accumulation_fusion
@@ -568,6 +577,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                 cfg, par, rank, b=micro_batch_size, s=seq_length, routing=routing_model,
                 attention=attention, experts=experts, recompute=recompute,
                 recompute_modules=frozenset(recompute_modules),
+                recompute_method=(recompute_method, recompute_num_layers),
                 deallocate=deallocate_pipeline_outputs, rounding=rounding,
                 zero3_prefetch=zero3_prefetch, kernels=profile, where=where, kinds=kinds,
                 optimizer=optimizer)
@@ -620,6 +630,8 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
     settings = {"micro_batch_size": micro_batch_size, "seq_length": seq_length,
                 "num_microbatches": num_microbatches, "schedule": schedule_name,
                 "recompute": recompute,
+                "recompute_method": recompute_method if recompute == "full" else None,
+                "recompute_num_layers": recompute_num_layers if recompute == "full" else None,
                 "recompute_modules": list(recompute_modules) if recompute == "selective"
                 else [], "attention": attention, "experts": experts, "routing": routing,
                 "seed": seed, "rounding": rounding or 0, "kernels": profile.name,
