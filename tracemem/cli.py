@@ -622,6 +622,7 @@ def _run_validate(args: argparse.Namespace) -> str:
                             "live_sets_equal": c.live_sets_equal,
                             "steps": [{"real_peak_bytes": s.real.peak_bytes,
                                        "traced_peak_bytes": s.traced_peak_bytes,
+                                       "unseen_bytes": c.case.unseen_bytes_at(s.index),
                                        "real_end_bytes": s.real.end_bytes,
                                        "traced_end_bytes": s.traced_end_bytes,
                                        "real_live_storages": len(s.real.live),
@@ -629,6 +630,8 @@ def _run_validate(args: argparse.Namespace) -> str:
                                        "live_sets_equal": s.live_sets_equal}
                                       for s in c.steps]} for c in comparisons], indent=2)
     notes = [f"- {c.case.name}: {c.case.unseen_cause}" for c in comparisons if c.case.unseen_cause]
+    notes += [f"- {c.case.name}, steps 2+: {c.case.unseen_bytes_later:,} B: "
+              f"{c.case.unseen_cause_later}" for c in comparisons if c.case.unseen_cause_later]
     heading = ["", "Allocations below the dispatcher, by case:"] if notes else []
     return "\n".join([format_comparisons(comparisons), *heading, *notes])
 

@@ -2,7 +2,13 @@
 and the comparison of the two."""
 
 from tracemem.validation.cases import CASES, Case, Setup, get_case
-from tracemem.validation.compare import STEPS, Comparison, StepComparison, compare_case, trace_case
+from tracemem.validation.compare import (
+           STEPS,
+           Comparison,
+           StepComparison,
+           compare_case,
+           trace_case,
+)
 from tracemem.validation.groundtruth import (
            ProfiledStep,
            profile_cpu_loop,
@@ -10,5 +16,6 @@ from tracemem.validation.groundtruth import (
            unseen_allocations,
 )
 
-__all__ = ["CASES", "Case", "Setup", "get_case", "STEPS", "Comparison", "StepComparison", "compare_case", "trace_case",
-           "ProfiledStep", "profile_cpu_loop", "profile_cpu_step", "unseen_allocations"]
+__all__ = ["CASES", "Case", "Setup", "get_case", "STEPS", "Comparison", "StepComparison",
+           "compare_case", "trace_case", "ProfiledStep", "profile_cpu_loop", "profile_cpu_step",
+           "unseen_allocations"]

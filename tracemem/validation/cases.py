@@ -548,7 +548,7 @@ CASES: tuple[Case, ...] = (
                             "moves to w2's backward, before the Function's backward makes its "
                             "scalar"),
     Case("views_cat_chunk", _build_views, "chunk / t / cat / narrow / view / reshape, SGD"),
-    Case("adam", _build_adam, "MLP, first Adam step (lazy state init, step tensors)",
+    Case("adam", _build_adam, "MLP, Adam (lazy state init in the first step, step tensors)",
          unseen_bytes=12,
          unseen_cause="the peak is Adam's `exp_avg_sq.sqrt() / bias_correction2_sqrt` for the "
                       "largest weight: " + _WRAPPED_SCALAR.replace("float64 or int64", "float64")),
