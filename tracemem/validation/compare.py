@@ -11,7 +11,7 @@ import torch
 
 from tracemem.tracer import MemoryTracer, StorageInfo
 from tracemem.validation.cases import Case, Setup
-from tracemem.validation.groundtruth import ProfiledStep, profile_cpu_loop
+from tracemem.validation.groundtruth import ProfiledStep, no_cyclic_gc, profile_cpu_loop
 
 __all__ = ["STEPS", "Comparison", "StepComparison", "compare_case", "trace_case"]
 
@@ -119,7 +119,7 @@ def _traced_loop(case: Case, device: str, rounding: int | None, steps: int
     per_step = []
     for _ in range(steps):
         start_index, start_bytes = len(tracer.events), tracer.current_bytes
-        with tracer:
+        with no_cyclic_gc(), tracer:  # as the real loop runs
             setup.step()
         totals = [e.total_bytes for e in tracer.events[start_index:]]
         peak = max([start_bytes, *totals]) - start_bytes

@@ -16,6 +16,7 @@ does not know their size), so a validation loop builds its model under the profi
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import sys
@@ -32,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from tracemem.tracer import MemoryTracer
 
 __all__ = ["ProfiledStep", "profile_cpu_step", "profile_cpu_loop", "unseen_allocations",
-           "quiet_stderr"]
+           "quiet_stderr", "no_cyclic_gc"]
 
 _STEP_MARKER = "tracemem.validation.step"
 
@@ -88,6 +89,23 @@ def quiet_stderr() -> Iterator[None]:
                     print("\n".join(kept), file=sys.stderr)
 
 
+@contextmanager
+def no_cyclic_gc() -> Iterator[None]:
+    """Collect cyclic garbage now and keep Python's cycle collector off inside (restored on
+    exit). Otherwise garbage from earlier code (a module whose hook is its own bound method
+    forms a cycle) can be collected in the middle of a measured loop, and the allocator reports
+    the free of a block the loop never made: the allocator remembers every block allocated
+    while any profiler was recording."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def profile_cpu_loop(build: Callable[[], Callable[[], Any]], steps: int) -> list[ProfiledStep]:
     """Call ``build()`` (which makes a model, optimizer and inputs and returns the step
     function), then run the step ``steps`` times, all in one profiled loop with one intra-op
@@ -104,8 +122,8 @@ def profile_cpu_loop(build: Callable[[], Callable[[], Any]], steps: int) -> list
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with quiet_stderr(), profile(activities=[ProfilerActivity.CPU],
-                                     profile_memory=True) as prof:
+        with quiet_stderr(), no_cyclic_gc(), profile(activities=[ProfilerActivity.CPU],
+                                                     profile_memory=True) as prof:
             step = build()
             for k in range(steps):
                 with record_function(f"{_STEP_MARKER}.{k}"):
