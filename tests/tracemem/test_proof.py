@@ -77,6 +77,19 @@ def test_tracing_real_cpu_tensors_gives_the_meta_trace(comparison):
     assert inside(cpu_tracer) == inside(meta_tracer)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_once_the_program_lets_go_nothing_traced_is_left(case):
+    # Whatever the tracer keeps (records, hooks, Node metadata, finalizers) must not hold a
+    # tensor: with the model, optimizer and inputs gone, every storage it saw has died.
+    import gc
+
+    tracer, setup = trace_case(case, steps=STEPS)
+    assert tracer.current_bytes > 0
+    del setup
+    gc.collect()  # the hooks case's model is a cycle (a hook bound to its own module)
+    assert tracer.current_bytes == 0, tracer.live_at("now")
+
+
 def test_issue_9_saved_output_leaves_only_x_and_its_gradient():
     # Issue 9: after each step of `m = x.amax(-1); idx = m.topk(2)[1]; x.sum().backward()`
     # the real CPU run holds x and x.grad, 4096 * 160 float32 = 2,621,440 B each; the traced
