@@ -97,11 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flag(est)
     add_parallel_arguments(est)
     step = est.add_argument_group("training step")
-    step.add_argument("--micro-batch-size", type=_positive_int, required=True,
+    step.add_argument("--micro-batch-size", type=int, required=True,
                       help="sequences per microbatch b")
-    step.add_argument("--seq-length", type=_positive_int, required=True,
+    step.add_argument("--seq-length", type=int, required=True,
                       help="sequence length s in tokens")
-    step.add_argument("--num-microbatches", type=_positive_int, required=True,
+    step.add_argument("--num-microbatches", type=int, required=True,
                       help="microbatches per step per pipeline (M)")
     step.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
                       help="pipeline schedule (default %(default)s)")
@@ -276,23 +276,23 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     from tracemem.parallel import PLANS, PRECISIONS
 
     group = parser.add_argument_group("parallel layout")
-    group.add_argument("--world-size", type=_positive_int, required=True,
+    group.add_argument("--world-size", type=int, required=True,
                        help="number of GPUs")
-    group.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=_positive_int,
+    group.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int,
                        default=1, help="tensor-parallel degree (default 1)")
     group.add_argument("--sp", "--sequence-parallel", dest="sp", action="store_true",
                        help="sequence parallelism over the TP group (needs --tp > 1)")
-    group.add_argument("--cp", "--context-parallel-size", dest="cp", type=_positive_int,
+    group.add_argument("--cp", "--context-parallel-size", dest="cp", type=int,
                        default=1, help="context-parallel degree (default 1)")
-    group.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=_positive_int,
+    group.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int,
                        default=1, help="expert-parallel degree (default 1)")
     group.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp",
-                       type=_positive_int, default=1,
+                       type=int, default=1,
                        help="tensor-parallel degree inside each expert (default 1)")
-    group.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=_positive_int,
+    group.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int,
                        default=1, help="pipeline stages (default 1)")
     group.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp",
-                       type=_positive_int, default=1,
+                       type=int, default=1,
                        help="model chunks per pipeline rank (default 1)")
     group.add_argument("--pp-layout", default=None,
                        help="decoder layers per (virtual) stage, comma-separated; N*K repeats "
@@ -304,7 +304,7 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pp-last-stage-layers", "--decoder-last-pipeline-num-layers",
                        dest="pp_last_stage_layers", type=int, default=None,
                        help="decoder layers on the last stage")
-    group.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1,
+    group.add_argument("--zero", type=int, default=1,
                        help="ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also "
                             "parameters, over DP (dense) and EDP (experts) (default 1)")
     group.add_argument("--precision", choices=PRECISIONS, default="megatron",
@@ -423,8 +423,6 @@ def _run_params(args: argparse.Namespace) -> str:
 def _run_estimate(args: argparse.Namespace) -> str:
     from tracemem.estimator import estimate, stderr_progress
 
-    if args.rounding < 0:
-        raise TracememError(f"--rounding {args.rounding} must be 0 (exact bytes) or positive")
     if args.recompute_modules is not None and args.recompute != "selective":
         raise TracememError(f"--recompute-modules applies to --recompute selective, not "
                             f"--recompute {args.recompute}")
@@ -440,7 +438,7 @@ def _run_estimate(args: argparse.Namespace) -> str:
         attention=args.attention,
         experts=args.experts, routing=args.routing, seed=args.seed,
         max_ep_classes=args.max_ep_classes,
-        rounding=args.rounding or None, deallocate_pipeline_outputs=args.deallocate,
+        rounding=args.rounding, deallocate_pipeline_outputs=args.deallocate,
         hbm=args.hbm, progress=progress, zero3_prefetch=args.zero3_prefetch,
         optimizer=args.optimizer,
         kernels=args.kernels, kernel_options=_kernel_options(args),

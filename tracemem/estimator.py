@@ -477,7 +477,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
             (``ep_rank_classes``) is traced and reported, one ``RankEstimate`` each.
         max_ep_classes: the most EP-rank classes traced per pipeline stage (default 8); more
             raises TracememError naming the count (the work grows with it).
-        rounding: CUDA block rounding in bytes (512) or None for exact bytes.
+        rounding: CUDA block rounding in bytes (512), or 0 or None for exact bytes.
         hbm: device memory, e.g. "80GiB", to say whether each rank fits.
         progress: called with a message before each rank class is traced.
         zero3_prefetch: under ZeRO-3, FSDP2's implicit backward prefetch of the next unit
@@ -502,8 +502,13 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
     for flag, value in (("--micro-batch-size", micro_batch_size), ("--seq-length", seq_length),
                         ("--num-microbatches", num_microbatches),
                         ("--max-ep-classes", max_ep_classes)):
-        if not isinstance(value, int) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise TracememError(f"{flag} {value!r} must be a positive integer")
+    if rounding is not None and (isinstance(rounding, bool) or not isinstance(rounding, int)
+                                 or rounding < 0):
+        raise TracememError(f"--rounding {rounding!r} must be 0 (exact bytes) or a positive "
+                            f"number of bytes")
+    rounding = rounding or None  # 0: exact bytes, as None
     if par.tp > 1 and par.ep > 1 and not par.sp:
         raise TracememError("--tp > 1 with --ep > 1 needs --sp (Megatron-Core's "
                             "ModelParallelConfig: with expert and tensor parallelism, sequence "

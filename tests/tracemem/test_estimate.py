@@ -143,7 +143,7 @@ def _v3_argv(**overrides):
     (dict(model="deepseek-v4"), "--model 'deepseek-v4' is neither a preset"),
     (dict(tp="3"), "is not a multiple of tp(3)"),
     (dict(tp="1"), "--sp needs --tp > 1"),
-    (dict(micro_batch_size="-1"), "argument --micro-batch-size: -1 must be a positive integer"),
+    (dict(micro_batch_size="-1"), "--micro-batch-size -1 must be a positive integer"),
     (dict(schedule="interleaved-1f1b", vpp="2", num_microbatches="6", pp_first_stage_layers=False,
           pp_last_stage_layers=False, pp_layout="2*29,1,1,1"),
      "--num-microbatches 6 must be a multiple of --pp 16"),
