@@ -18,8 +18,25 @@ DEMO = dict(world_size=1024, tp=2, sp=True, pp=16, ep=8, etp=1, pp_first_stage_l
             precision="megatron", hbm="80GiB")
 
 
+def what_fits_time() -> None:
+    """--what-fits: the demo's estimate against the single-change search that follows it."""
+    from tracemem.advice import what_fits
+
+    start = time.perf_counter()
+    base = estimate("deepseek-v3", **DEMO)
+    base_s = time.perf_counter() - start
+    start = time.perf_counter()
+    fits = what_fits("deepseek-v3", base, **DEMO)
+    fits_s = time.perf_counter() - start
+    tried = [c for c in fits if c.skipped is None]
+    print(f"{'demo estimate, then --what-fits':45s} {base_s:6.1f} s + {fits_s:.1f} s "
+          f"({len(tried)} re-estimates, {fits_s / base_s:.1f}x the estimate); "
+          f"{sum(c.fits for c in tried)} fit")
+
+
 def main() -> None:
     print(f"torch {torch.__version__}")
+    what_fits_time()
     for label, extra in [("demo (flash, no recompute)", {}),
                          ("full recompute", {"recompute": "full"}),
                          ("eager attention", {"attention": "eager"}),
