@@ -40,6 +40,8 @@ class FitCandidate:
         skipped: the validator's message when the change is not possible here, else None.
         worst_peak_bytes, worst_pp_stage, worst_ep_rank: the worst rank of the re-estimate
             (None when skipped).
+        worst_needed_bytes: the most a rank needs (reserved peak + non-PyTorch memory, what
+            ``hbm`` is judged on).
         stages_over_hbm: pipeline stages with a rank still over ``hbm``.
         fits: every rank fits in ``hbm``.
     """
@@ -51,6 +53,7 @@ class FitCandidate:
     worst_peak_bytes: int | None = None
     worst_pp_stage: int | None = None
     worst_ep_rank: int | None = None
+    worst_needed_bytes: int | None = None
     stages_over_hbm: list[int] = field(default_factory=list)
     fits: bool = False
 
@@ -126,6 +129,7 @@ def what_fits(model, base, *, progress: Callable[[str], None] | None = None,
     """
     from modeling.config import ModelConfig, load_config
     from tracemem.estimator import estimate
+    from tracemem.report import get_verdict
 
     if base.hbm_bytes is None:
         raise TracememError("what_fits needs hbm (e.g. --hbm 80GiB): the memory to fit in")
@@ -149,11 +153,12 @@ def what_fits(model, base, *, progress: Callable[[str], None] | None = None,
         except TracememError as error:
             found.append(FitCandidate(flags, changes, note, str(error).splitlines()[0]))
             continue
-        worst = result.worst
         # judged as the estimate judges --hbm: reserved peak + non-PyTorch memory (r.fits)
-        over = sorted({r.pp_stage for r in result.ranks if r.fits is False})
-        found.append(FitCandidate(flags, changes, note, None, worst.peak_bytes, worst.pp_stage,
-                                  worst.ep_rank, over, not over))
+        verdict = get_verdict(result)
+        over = verdict["stages_over_hbm"]
+        found.append(FitCandidate(flags, changes, note, None, verdict["worst_peak_bytes"],
+                                  verdict["worst_pp_stage"], verdict["worst_ep_rank"],
+                                  verdict["worst_needed_bytes"], over, not over))
     tried = sorted((c for c in found if c.skipped is None),
                    key=lambda c: (not c.fits, c.worst_peak_bytes))
     return tried + [c for c in found if c.skipped is not None]

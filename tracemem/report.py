@@ -194,8 +194,10 @@ def get_verdict(result) -> dict[str, Any]:
 
 
 def format_verdict(verdict: dict[str, Any], units: str = "GiB") -> str:
-    """One line: "11 of 16 pipeline stages exceed 80 GiB (stages 0-10); the worst is stage 1
-    at 144.89 GiB." """
+    """One line: "6 of 16 pipeline stages exceed 80 GiB (stages 1-6); the worst is stage 1 at
+    98.62 GiB; the most a rank needs is 100.13 GiB (reserved + non-PyTorch memory)." A stage
+    exceeds ``--hbm`` when a rank's reserved peak plus the non-PyTorch memory does
+    (``RankEstimate.fits``)."""
     units = pick_units(verdict["worst_peak_bytes"]) if units == "auto" else units
     where = f"stage {verdict['worst_pp_stage']}" + (
         "" if verdict["worst_ep_rank"] is None else f" (EP rank {verdict['worst_ep_rank']})")
@@ -211,7 +213,9 @@ def format_verdict(verdict: dict[str, Any], units: str = "GiB") -> str:
     listed = "stage" if len(over) == 1 else "stages"
     exceed = "exceeds" if len(over) == 1 else "exceed"
     return (f"Verdict: {len(over)} of {n} {stage_word} {exceed} "
-            f"{_size_label(hbm, units, given=True)} ({listed} {_format_stages(over)}); {worst}.")
+            f"{_size_label(hbm, units, given=True)} ({listed} {_format_stages(over)}); {worst}; "
+            f"the most a rank needs is {_size_label(verdict['worst_needed_bytes'], units)} "
+            f"(reserved + non-PyTorch memory).")
 
 
 def get_estimate(result, fits: Sequence[Any] | None = None) -> dict[str, Any]:
@@ -384,8 +388,9 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
 
 
 def format_fits(fits: Sequence[Any], result, units: str = "GiB") -> str:
-    """The ``what_fits`` candidates as a table: each single change, its worst peak (re-estimated)
-    and the stages still over ``--hbm``; the ones that fit first."""
+    """The ``what_fits`` candidates as a table: each single change, its worst peak (re-estimated),
+    the most a rank needs (reserved + non-PyTorch memory, what ``--hbm`` is judged on) and the
+    stages still over ``--hbm``; the ones that fit first."""
     units = pick_units(result.worst.peak_bytes) if units == "auto" else units
     hbm = (_size_label(result.hbm_bytes, units, given=True) if result.hbm_bytes is not None
            else "--hbm")
@@ -398,13 +403,14 @@ def format_fits(fits: Sequence[Any], result, units: str = "GiB") -> str:
             f"stage ({fitting} of {len(tried)} fit"
             + ("" if fitting else "; no single change is enough") + "):")
     rows = [[c.change, format_size(c.worst_peak_bytes, units), c.worst_pp_stage,
-             len(c.stages_over_hbm), "yes" if c.fits else "NO"] for c in tried]
+             format_size(c.worst_needed_bytes, units), len(c.stages_over_hbm),
+             "yes" if c.fits else "NO"] for c in tried]
     lines = [lead]
     if rows:
         table = tabulate(rows, headers=["change", f"worst peak {units}", "at stage",
-                                        f"stages over {hbm}", "fits"],
+                                        f"needs {units}", f"stages over {hbm}", "fits"],
                          disable_numparse=True, colalign=("left", "right", "right", "right",
-                                                          "right"))
+                                                          "right", "right"))
         lines.append(table)
     notes = sorted({c.note for c in tried if c.note})
     lines += [f"({note})" for note in notes]

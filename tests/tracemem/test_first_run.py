@@ -31,7 +31,7 @@ from tracemem.report import (
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(world_size=4, tp=2, sp=True, pp=2, micro_batch_size=2, seq_length=64,
-            num_microbatches=4, experts="sequential")
+            num_microbatches=4, experts="sequential", non_pytorch_memory="0B")
 TOY = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
        "--seq-length", "16", "--vocab-size", "100", "--dtype", "float32", "--json"]
 
@@ -107,24 +107,26 @@ def test_json_gives_the_ranks_of_each_stage(tiny):
 # item 4: a verdict, and what would fit (each change re-estimated)
 
 def _between(tiny):
-    """An HBM size between the two stages' peaks, in bytes, so that stage 1 alone is over."""
-    low, high = sorted(r.peak_bytes for r in tiny.ranks)
+    """An HBM size between the two stages' reserved peaks (what --hbm is judged on, with no
+    non-PyTorch memory), in bytes, so that stage 1 alone is over."""
+    low, high = sorted(r.reserved_peak_bytes for r in tiny.ranks)
     assert tiny.worst.pp_stage == 1 and low < high
     return (low + high) // 2
 
 
 def test_verdict_counts_the_stages_over_hbm(tiny):
     hbm, peak = _between(tiny), tiny.worst.peak_bytes
+    needed = max(r.reserved_peak_bytes for r in tiny.ranks)  # + 0 B outside PyTorch
     over = estimate("deepseek-tiny", hbm=f"{hbm}B", **TINY)
     verdict = get_verdict(over)
     assert verdict["stages_over_hbm"] == [1] and verdict["fits"] is False
     assert format_verdict(verdict, "B") == (
         f"Verdict: 1 of 2 pipeline stages exceeds {hbm:,} B (stage 1); the worst is stage 1 at "
-        f"{peak:,} B.")
+        f"{peak:,} B; the most a rank needs is {needed:,} B (reserved + non-PyTorch memory).")
     fits = estimate("deepseek-tiny", hbm="64MiB", **TINY)
     assert format_verdict(get_verdict(fits), "MiB") == (
         f"Verdict: all 2 pipeline stages fit in 64 MiB; the worst is stage 1 at "
-        f"{peak / 2**20:.2f} MiB ({(64 * 2**20 - peak) / 2**20:.2f} MiB to spare).")
+        f"{peak / 2**20:.2f} MiB ({(64 * 2**20 - needed) / 2**20:.2f} MiB to spare).")
     assert format_verdict(get_verdict(tiny), "MiB").endswith(
         "give --hbm (e.g. 80GiB) to say whether it fits.")
 
@@ -142,7 +144,9 @@ def test_what_fits_re_estimates_each_change(tiny):
     # each figure is that of a direct estimate with the change
     full = estimate("deepseek-tiny", **dict(kwargs, recompute="full"))
     assert by_change["--recompute full"].worst_peak_bytes == full.worst.peak_bytes
-    assert by_change["--recompute full"].fits == (full.worst.peak_bytes <= hbm)
+    needed = max(r.reserved_peak_bytes for r in full.ranks)
+    assert by_change["--recompute full"].worst_needed_bytes == needed
+    assert by_change["--recompute full"].fits == (needed <= hbm)
     half = estimate("deepseek-tiny", **dict(kwargs, micro_batch_size=1, num_microbatches=8))
     assert by_change["--micro-batch-size 1 --num-microbatches 8"].worst_peak_bytes \
         == half.worst.peak_bytes

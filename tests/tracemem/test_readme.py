@@ -41,7 +41,8 @@ def test_first_screen_is_commands_venv_then_the_demo_output():
     positions = [output.index(marker) for marker in order]
     assert positions == sorted(positions) and positions[0] > output.index(rows[-1])
     assert re.search(r"Verdict: \d+ of 16 pipeline stages exceed 80 GiB \(stages [0-9-,]+\); "
-                     r"the worst is stage \d+ at [0-9.]+ GiB\.", output)
+                     r"the worst is stage \d+ at [0-9.]+ GiB; the most a rank needs is [0-9.]+ GiB "
+                     r"\(reserved \+ non-PyTorch memory\)\.", output)
     assert "--recompute full" in output.split("What would fit")[1]
 
 
