@@ -37,6 +37,8 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
+from modeling.kernels.wgrad import delayed_wgrad, run_delayed_wgrad
+
 __all__ = ["WeightGradients", "backward_input"]
 
 # node type -> (attribute of the saved first operand, index of the weight edge)
@@ -73,6 +75,7 @@ class WeightGradients:
 
     deferred: list[_Deferred] = field(default_factory=list)
     handles: list = field(default_factory=list)
+    kernels: list = field(default_factory=list)  # TE kernels' delayed wgrads (kernels.wgrad)
 
     @classmethod
     def find(cls, outputs: list[Tensor], params: list[Tensor]) -> WeightGradients:
@@ -110,6 +113,7 @@ class WeightGradients:
         inputs and output gradients."""
         for handle in self.handles:
             handle.remove()
+        run_delayed_wgrad(self.kernels)
         while self.deferred:
             entry = self.deferred.pop(0)
             x, dy = entry.layer_input, entry.output_grad
@@ -143,7 +147,8 @@ def backward_input(outputs: list[Tensor], grads: list[Tensor | None], inputs: li
         [p for p in params if p.requires_grad and id(p) not in deferred]
     grads = [torch.ones_like(o) if g is None else g for o, g in zip(outputs, grads)]
     if targets:
-        torch.autograd.Variable._execution_engine.run_backward(
-            tuple(outputs), tuple(grads), keep_graph=False, create_graph=False,
-            inputs=tuple(targets), allow_unreachable=True, accumulate_grad=True)
+        with delayed_wgrad(store.kernels):  # TE kernels defer theirs (delay_wgrad_compute)
+            torch.autograd.Variable._execution_engine.run_backward(
+                tuple(outputs), tuple(grads), keep_graph=False, create_graph=False,
+                inputs=tuple(targets), allow_unreachable=True, accumulate_grad=True)
     return store

@@ -18,7 +18,9 @@ Mirrors TransformerEngine d0067d0 (2.20.0.dev0), ``transformer_engine/pytorch/mo
   gathers the output gradient first and frees it after the wgrad GEMM. With Megatron's
   ``--gradient-accumulation-fusion`` (its default with TE) the weight gradient is written into
   the fp32 ``main_grad`` (no allocation; TE's cached dummy wgrad is not counted: see
-  docs/kernels.md), else a weight gradient in the weight's dtype is allocated.
+  docs/kernels.md), else a weight gradient in the weight's dtype is allocated. Inside
+  ``modeling.kernels.wgrad.delayed_wgrad`` the weight gradient is deferred to a W step
+  (``delay_wgrad_compute``).
 
 Several weights give one output of their summed widths, as Megatron's fused ``linear_fc1``
 (gate and up projections in one ``(2f, h)`` weight) does. All shapes here are this rank's.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from modeling.kernels.wgrad import current_store
 from modeling.parallel.collectives import _gather, _scatter
 
 __all__ = ["te_linear"]
@@ -74,7 +77,12 @@ class _TELinear(torch.autograd.Function):
         dgrad = grad_total.new_empty((*grad_total.shape[:-1], weights[0].shape[1]))
         if mode == "column" and sp > 1:
             dgrad = _scatter(dgrad, sp, 1)  # reduce-scatter; the GEMM output is freed
-        wgrads = [None if ctx.fuse_wgrad else torch.empty_like(w) for w in weights]
+        store = current_store()
+        if store is not None:  # delay_wgrad_compute: keep [inputmat_total, grad_output]
+            store.append(((in_total, grad_total), weights, ctx.fuse_wgrad))
+            wgrads = [None] * len(weights)
+        else:
+            wgrads = [None if ctx.fuse_wgrad else torch.empty_like(w) for w in weights]
         del in_total, grad_total  # after the wgrad GEMM
         if not ctx.has_norm:
             return (dgrad, None, None, None, None, *wgrads)

@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from modeling.kernels.wgrad import current_store
+
 __all__ = ["te_permute", "te_sort_chunks", "te_unpermute", "te_grouped_linear"]
 
 
@@ -108,6 +110,10 @@ class _GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, *weights = ctx.saved_tensors
         dgrad = torch.empty_like(x)
+        store = current_store()
+        if store is not None:  # delay_wgrad_compute: keep the inputs and the output gradient
+            store.append(((x, grad), weights, ctx.fuse_wgrad))
+            return (dgrad, None, None, *[None] * len(weights))
         wgrads = [None if ctx.fuse_wgrad else torch.empty_like(w) for w in weights]
         return (dgrad, None, None, *wgrads)
 

@@ -178,3 +178,25 @@ def test_profiles_validate_names_and_options():
         get_profile("eager", te_version="2.17")
     with pytest.raises(TracememError, match="te_version='2.16' is invalid"):
         get_profile("megatron-te", te_version="2.16")
+
+
+def test_delayed_wgrad_keeps_the_gathered_input_and_output_gradient_until_w():
+    # TE _Linear.backward with delay_wgrad_compute: wgrad_store.put([inputmat_total,
+    # grad_output]); W frees them (with gradient-accumulation fusion, no wgrad is allocated)
+    from modeling.kernels.wgrad import delayed_wgrad, run_delayed_wgrad
+
+    x, w = leaf(1, 3, 8), leaf(16, 8)
+    tracer = MemoryTracer(rounding=None)
+    tracer.track_external(x, w)
+    store = []
+    with tracer:
+        out = te_linear(x, [w], "column", 2)
+        with delayed_wgrad(store):
+            out.backward(torch.empty_like(out))
+        del out
+        kept = sorted(i.nbytes for i in tracer.live_at("now") if i.phase.value != "external")
+        run_delayed_wgrad(store)
+    # x.grad (1, 3, 8) 48 B; the re-gathered input (1, 6, 8) 96 B and the output gradient
+    # (1, 6, 16) 192 B, kept for W
+    assert kept == [48, 96, 192]
+    assert sorted(i.nbytes for i in tracer.live_at("now") if i.phase.value != "external") == [48]
