@@ -488,12 +488,14 @@ class MemoryTracer(TorchDispatchMode):
                     self._retag(value, Category.OPTIMIZER_STATE, module)
 
     def _optimizer_pre_hook(self, optimizer, args, kwargs) -> None:
-        if optimizer.defaults.get("fused") and any(
-                p.device.type == "meta" for group in optimizer.param_groups
-                for p in group["params"]):
+        meta = [p for group in optimizer.param_groups for p in group["params"]
+                if p.device.type == "meta"]
+        if optimizer.defaults.get("fused") and meta:
             name = type(optimizer).__name__
+            rec = self._live.get(meta[0].untyped_storage()._cdata)
+            owner = f" (first of module {rec.module!r})" if rec is not None and rec.module else ""
             raise FusedOptimizerError(
-                f"torch.optim.{name}(fused=True) cannot step parameters on the meta device "
+                f"torch.optim.{name}(fused=True) cannot step parameters{owner} on the meta device "
                 f"(its fused kernels take only real devices: "
                 f"_device_dtype_check_for_fused in torch/optim/optimizer.py); trace it with "
                 f"torch.optim.{name}(..., foreach=True), which keeps the same states")

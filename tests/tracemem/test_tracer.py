@@ -416,7 +416,7 @@ def test_data_dependent_op_outside_modules_and_in_backward_is_located():
 
 
 def test_fused_adam_on_meta_names_the_optimizer_and_foreach():
-    model = nn.Linear(4, 4).to(META)
+    model = nn.Sequential(nn.Linear(4, 4)).to(META)
     opt = torch.optim.Adam(model.parameters(), fused=True)
 
     def step():
@@ -424,8 +424,9 @@ def test_fused_adam_on_meta_names_the_optimizer_and_foreach():
         opt.step()
 
     with pytest.raises(FusedOptimizerError,
-                       match=r"^torch\.optim\.Adam\(fused=True\) cannot step parameters on the "
-                             r"meta device .*foreach=True\), which keeps the same states$"):
+                       match=r"^torch\.optim\.Adam\(fused=True\) cannot step parameters \(first "
+                             r"of module '0'\) on the meta device .*foreach=True\), which keeps "
+                             r"the same states$"):
         traced(step, model, opt)
     foreach = torch.optim.Adam(model.parameters(), foreach=True)
 
