@@ -366,7 +366,8 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
     head = (f"{result.model}: world {par.world_size} (TP {par.tp}{' + SP' if par.sp else ''}, "
             f"CP {par.cp}, PP {par.pp}, VPP {par.vpp}, DP {par.dp}; EP {par.ep}, ETP {par.etp}, "
             f"EDP {par.edp}), ZeRO-{par.zero}, {par.precision}; b={st['micro_batch_size']}, "
-            f"s={st['seq_length']}, M={st['num_microbatches']}, {st['schedule']}, recompute "
+            f"s={st['seq_length']}, M={st['num_microbatches']}, {st['schedule']}, kernels "
+            f"{st.get('kernels', 'eager')}, recompute "
             f"{st['recompute']}, {st['attention']} attention, routing {st['routing']}")
     table = tabulate(rows, headers=headers, disable_numparse=True,
                      colalign=("right",) * len(headers))
