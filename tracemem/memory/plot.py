@@ -128,4 +128,4 @@ def _panel(ax, tl: MemoryTimeline, hbm_bytes, usable_bytes, units) -> None:
                       "free is one x unit", fontsize=8)
     else:
         ax.set_xlabel("event", fontsize=8)
-    ax.legend(loc="upper right", fontsize=7, ncol=2)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, ncol=1)
