@@ -287,7 +287,10 @@ def _legend(result, units: str) -> list[str]:
     else:
         lines.append(f"EP rank: under routing {result.settings.get('routing')}, each row is "
                      f"one class of the stage's EP ranks, those whose experts receive the same "
-                     f"token counts in every MoE layer: traced once, they share its peak.")
+                     f"token counts in every MoE layer: traced once, they share its peak"
+                     + ('; "-": all of the stage\'s EP ranks alike (no MoE layer there, or '
+                        'the same counts).' if any(r.ep_rank is None for r in result.ranks)
+                        else "."))
     recipe = par.precision_spec  # the --precision recipe with any precision flags applied
     kinds = {1: "fp8", 2: "bf16", 4: "fp32"}
     g, p = recipe.grad_bytes, recipe.param_bytes
@@ -301,17 +304,22 @@ def _legend(result, units: str) -> list[str]:
     held = ("microbatch forwards" if par.vpp == 1 else
             "model-chunk forwards (up to M x VPP)")
     lines.append(f"in-flight: {held} held at the peak, their activations kept for backward.")
-    worst = result.worst.peak_step or next((r.peak_step for r in result.ranks if r.peak_step),
-                                           None)
+    steps = [r.peak_step for r in result.ranks if r.peak_step]
+    worst = next((step for step in [result.worst.peak_step, *steps]
+                  if step and _STEP.match(step)), None)
+    optimizer = ("; optimizer = the optimizer step after the schedule's last step"
+                 if "optimizer" in steps else "")
     match = _STEP.match(worst or "")
     if match:
         stage = "virtual stage" if par.vpp > 1 else "stage"
-        seen = {m[2] for r in result.ranks if (m := _STEP.match(r.peak_step or ""))}
+        seen = {m[2] for step in steps if (m := _STEP.match(step))}
         kinds = ", ".join(f"{k} = {v}" for k, v in _STEP_KINDS.items() if k in seen | {"F", "B"})
         lines.append(f"at step: the schedule step running at the peak, {stage} + kind + "
                      f"microbatch: {worst} = {stage} {match[1]}, "
                      f"{_STEP_KINDS.get(match[2], match[2])}, microbatch {match[3]} "
-                     f"({kinds}).")
+                     f"({kinds}){optimizer}.")
+    elif optimizer:
+        lines.append("at step: optimizer = the optimizer step after the schedule's last step.")
     return lines
 
 

@@ -99,6 +99,29 @@ def test_ep_rank_dash_is_explained_under_expert_parallelism():
             "one traced rank stands for all.") in format_estimate(result).splitlines()
 
 
+def test_ep_rank_rows_and_dash_are_explained_under_skewed_routing():
+    result = estimate("deepseek-tiny", world_size=8, ep=4, pp=2, micro_batch_size=2,
+                      seq_length=32, num_microbatches=2, routing="zipf:1.0",
+                      experts="sequential")
+    # stage 0 holds the dense layers 0-1 only (first_k_dense_replace 2): every EP rank alike
+    assert result.ranks[0].ep_rank is None and any(r.ep_rank is not None for r in result.ranks)
+    legend = next(line for line in format_estimate(result).splitlines()
+                  if line.startswith("EP rank:"))
+    assert legend.endswith('"-": all of the stage\'s EP ranks alike (no MoE layer there, or the '
+                           'same counts).')
+
+
+def test_a_peak_in_the_optimizer_step_is_explained(tiny):
+    from dataclasses import replace
+
+    # the estimator writes "optimizer" for a peak in the optimizer step after the schedule
+    ranks = [replace(r, peak_step="optimizer") if r.pp_stage == 0 else r for r in tiny.ranks]
+    lines = format_estimate(replace(tiny, ranks=ranks), units="MiB").splitlines()
+    line = next(line for line in lines if line.startswith("at step:"))
+    assert line.endswith("(F = forward, B = backward); optimizer = the optimizer step after the "
+                         "schedule's last step.")
+
+
 def test_json_gives_the_ranks_of_each_stage(tiny):
     data = get_estimate(tiny)
     assert [r["stage_ranks"] for r in data["ranks"]] == [[[0, 1]], [[2, 3]]]
