@@ -44,10 +44,20 @@ ROUTING_HELP = "balanced, zipf:ALPHA, hot:K:FRACTION or counts:FILE"
 def apportion(shares: Sequence[float], total: int, cap: int) -> list[int]:
     """Integer counts proportional to ``shares`` that sum to ``total``, none above ``cap``.
 
-    Largest-remainder apportionment; ties go to the lower index. Requires
-    ``cap * len(shares) >= total``.
+    Largest-remainder apportionment; ties go to the lower index. Slots above ``cap`` are
+    handed out again in rounds: each round gives one slot to every expert below ``cap``, in
+    order of share (largest first, then lower index), until none is left. The rounds are
+    counted in closed form (the number R of full rounds is the largest with
+    sum(min(room, R)) <= excess, then one partial round), so the work does not grow with
+    ``total``.
+
+    Raises:
+        TracememError: all shares zero, or ``cap * len(shares) < total``.
     """
     weight = sum(shares)
+    if not weight > 0 or cap * len(shares) < total:
+        raise TracememError(f"no apportionment of {total} token-slots over {len(shares)} "
+                            f"experts of at most {cap} each with shares summing to {weight}")
     exact = [total * s / weight for s in shares]
     counts = [int(x) for x in exact]
     order = sorted(range(len(shares)), key=lambda i: (-(exact[i] - counts[i]), i))
@@ -55,9 +65,19 @@ def apportion(shares: Sequence[float], total: int, cap: int) -> list[int]:
         counts[i] += 1
     excess = sum(max(0, c - cap) for c in counts)
     counts = [min(c, cap) for c in counts]
-    while excess:  # hand capped slots to the experts with most room, largest share first
+    if excess:
+        room = [cap - c for c in counts]
+        low, high = 0, max(room)  # full rounds R: sum(min(room, R)) <= excess
+        while low < high:
+            mid = (low + high + 1) // 2
+            if sum(min(r, mid) for r in room) <= excess:
+                low = mid
+            else:
+                high = mid - 1
+        counts = [c + min(r, low) for c, r in zip(counts, room)]
+        excess -= sum(min(r, low) for r in room)
         for i in sorted(range(len(shares)), key=lambda i: (-shares[i], i)):
-            if excess and counts[i] < cap:
+            if excess and room[i] > low:  # the partial round
                 counts[i] += 1
                 excess -= 1
     return counts
@@ -116,8 +136,12 @@ class Hot(RoutingModel):
         if self.num_hot > num_experts:
             raise TracememError(f"--routing {self.spec}: K={self.num_hot} hot experts exceeds "
                                 f"the {num_experts} routed experts")
-        hot = set(random.Random(f"{self.seed}:{layer}").sample(range(num_experts), self.num_hot))
         cold = num_experts - self.num_hot
+        if not cold and self.fraction < 1:
+            raise TracememError(f"--routing {self.spec}: K={self.num_hot} makes all "
+                                f"{num_experts} routed experts hot, so they take every slot; "
+                                f"FRACTION must be 1 (or use balanced)")
+        hot = set(random.Random(f"{self.seed}:{layer}").sample(range(num_experts), self.num_hot))
         shares = [self.fraction / self.num_hot if e in hot else
                   (1 - self.fraction) / cold if cold else 0.0 for e in range(num_experts)]
         return apportion(shares, num_tokens * top_k, num_tokens)
@@ -183,13 +207,31 @@ class Observed(RoutingModel):
                       source="observed")
 
 
+MAX_COUNTS_FILE_BYTES = 64 * 2**20  # a counts file for 1,000 layers of 1,000 experts is ~10 MB
+
+
 def _load_counts(path: str) -> Counts:
     try:
-        data = json.loads(Path(path).read_text())
+        with open(path, "rb") as file:
+            raw = file.read(MAX_COUNTS_FILE_BYTES + 1)
     except OSError as error:
         raise TracememError(f"--routing counts:{path}: cannot read: {error}") from None
+    if len(raw) > MAX_COUNTS_FILE_BYTES:
+        raise TracememError(f"--routing counts:{path}: larger than "
+                            f"{MAX_COUNTS_FILE_BYTES // 2**20} MiB; a counts file is a small "
+                            f"JSON list or object of per-expert counts")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise TracememError(f"--routing counts:{path}: not UTF-8 JSON text ({error})") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as error:
         raise TracememError(f"--routing counts:{path}: malformed JSON: {error}") from None
+    except (ValueError, RecursionError) as error:  # a huge integer; nesting too deep
+        reason = ("nested too deeply" if isinstance(error, RecursionError) else
+                  str(error).splitlines()[0])
+        raise TracememError(f"--routing counts:{path}: unreadable JSON: {reason}") from None
 
     def as_list(values, where: str) -> tuple[float, ...]:
         if not isinstance(values, list) or not values or not all(
@@ -202,7 +244,7 @@ def _load_counts(path: str) -> Counts:
     if isinstance(data, dict):
         per_layer = {}
         for key, values in data.items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise TracememError(f"--routing counts:{path}: key {json.dumps(key)} is not a "
                                     f"layer number (0, 1, 2, ...)")
             per_layer[int(key)] = as_list(values, f"layer {key}")
@@ -216,6 +258,10 @@ def parse_routing(spec: str, seed: int = 0) -> RoutingModel:
     Raises:
         TracememError: unknown model or bad parameters; the message lists the valid forms.
     """
+    if not isinstance(spec, str):
+        raise TracememError(f"--routing {spec!r} is invalid; give a string: {ROUTING_HELP}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TracememError(f"--seed {seed!r} must be an integer")
     kind, _, rest = spec.partition(":")
     try:
         if kind == "balanced" and not rest:

@@ -44,7 +44,7 @@ from modeling.parallel.pp import (
     recv_forward,
     send_forward,
 )
-from modeling.routing import RoutingModel, parse_routing
+from modeling.routing import Counts, RoutingModel, parse_routing
 from tracemem.categories import Category, Phase
 from tracemem.errors import TracememError
 from tracemem.memory import MemoryTimeline, parse_alloc_conf, write_snapshot
@@ -65,24 +65,34 @@ __all__ = ["RankEstimate", "Estimate", "estimate", "parse_bytes", "Segments", "R
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
+MAX_HBM_BYTES = 2**50  # 1 PiB: more than any accelerator holds
+
+
 def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
     """``"80GiB"`` -> 85899345920. Units: B, KiB, MiB, GiB, TiB (binary). ``zero`` also
     accepts a size of 0.
 
     Raises:
-        TracememError: not a number followed by one of those units (the message names
-            ``flag``).
+        TracememError: not a string, not a number followed by one of those units, below one
+            byte (other than 0 with ``zero``), or more than 1 PiB (``MAX_HBM_BYTES``: no device
+            holds that); the message names ``flag``.
     """
+    if not isinstance(text, str):
+        raise TracememError(f"{flag} {text!r} is invalid; give a size as text, such as 80GiB")
     for unit in sorted(_UNITS, key=len, reverse=True):
-        if isinstance(text, str) and text.endswith(unit):
+        if text.endswith(unit):
             try:
-                value = float(text[:-len(unit)])
-            except ValueError:
+                value = float(text[:-len(unit)]) * _UNITS[unit]
+            except (ValueError, OverflowError):
                 break
-            if value > 0 or (zero and value == 0):
-                return int(value * _UNITS[unit])
+            if 1 <= value <= MAX_HBM_BYTES or (zero and value == 0):
+                return int(value)
+            if value > MAX_HBM_BYTES:  # inf included; NaN compares false
+                raise TracememError(f"{flag} {text!r} is more than 1 PiB; no device holds that")
+            break
     raise TracememError(f"{flag} {text!r} is invalid; give a {'' if zero else 'positive '}"
-                        f"size such as 80GiB or 141GiB (units {', '.join(_UNITS)})")
+                        f"size of whole bytes such as 80GiB or 141GiB (units "
+                        f"{', '.join(_UNITS)})")
 
 
 # Device memory outside PyTorch's caching allocator, added to the reserved peak when judging
@@ -397,6 +407,25 @@ def replay_schedule(steps: list[Step], pp: int, segments: Segments,
 _PHASES = {"F": "forward", "B": "backward", "I": "backward", "W": "backward", "O": "optimizer"}
 
 
+def _check_counts_cover(cfg: ModelConfig, routing: RoutingModel) -> None:
+    """A counts file given per layer must cover every MoE layer, MTP modules' included; a
+    missing one is named as the user knows it (``MTP module 1 (layer 61)``).
+
+    Raises:
+        TracememError: the first MoE layer without counts.
+    """
+    if not isinstance(routing, Counts) or routing.default is not None:
+        return
+    for layer in range(cfg.num_layers + cfg.num_mtp_modules):
+        if cfg.is_moe_layer(layer) and layer not in (routing.per_layer or {}):
+            name = (f"decoder layer {layer}" if layer < cfg.num_layers else
+                    f"MTP module {layer - cfg.num_layers + 1} (layer {layer})")
+            raise TracememError(
+                f"--routing {routing.spec}: no counts for {name}, an MoE layer of "
+                f"{cfg.name} (decoder layers are 0 to {cfg.num_layers - 1}; MTP module i is "
+                f"layer {cfg.num_layers - 1} + i)")
+
+
 MAX_EP_CLASSES = 8  # default cap on EP-rank classes traced per pipeline stage
 
 
@@ -518,7 +547,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
         raise TracememError(f"--seq-length {seq_length} must be a multiple of cp * sp = "
                             f"{split} (the sequence is split across them)")
     check_recompute_method(recompute, recompute_method, recompute_num_layers)
-    hbm_bytes = parse_bytes(hbm) if hbm else None
+    hbm_bytes = parse_bytes(hbm) if hbm is not None else None
     kernel_options = dict(kernel_options or {})
     fusion = par.precision_spec.gradient_accumulation_fusion
     if fusion is not None and kernels == "megatron-te":  # one flag: the precision field's
@@ -537,6 +566,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
     if plot is not None:
         check_plot_path(plot)
     routing_model = parse_routing(routing, seed)
+    _check_counts_cover(cfg, routing_model)
     steps_by_rank = schedule(schedule_name, par.pp, par.vpp, num_microbatches)
     where = placement(schedule_name, par.pp, par.vpp, num_microbatches)
     if any(s.kind == "W" for steps in steps_by_rank for s in steps):
