@@ -38,8 +38,8 @@ _TE = "TransformerEngine d0067d0 transformer_engine/pytorch/"
 _MC = "Megatron-LM d98e8a6 megatron/core/"
 # autograd Node name -> the source its kernel mirrors (modeling.kernels' Functions)
 KERNEL_SOURCES = {
-    "_TERMSNormBackward": _TE + "ops/basic/rmsnorm.py RMSNorm.op_forward",
-    "_FusedRMSNormBackward": "torch 2.13 aten _fused_rms_norm (derivatives.yaml)",
+    "_RMSNormBackward": _TE + "ops/basic/rmsnorm.py RMSNorm.op_forward (megatron-te); "
+                            "torch 2.13 aten _fused_rms_norm (torch)",
     "_TELinearBackward": _TE + "module/linear.py _Linear / module/layernorm_linear.py "
                                "_LayerNormLinear",
     "_TEFusedAttentionBackward": _TE + "attention/dot_product_attention/backends.py "

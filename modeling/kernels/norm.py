@@ -3,10 +3,12 @@
 - eager: ``nn.RMSNorm`` (``F.rms_norm``'s composite: on a bf16 input autograd keeps the fp32
   upcast of x and of x * rstd, see ``tracemem inventory --kernels eager``).
 - torch: ``aten::_fused_rms_norm`` (torch 2.13 ``aten/src/ATen/native/layer_norm.cpp``,
-  ``_fused_rms_norm``; derivatives.yaml entry ``_fused_rms_norm``: saves input, rstd, weight).
+  ``_fused_rms_norm``; derivatives.yaml entry ``_fused_rms_norm``: saves input, rstd, weight),
+  rstd ``(..., 1)`` fp32.
 - megatron-te: Transformer Engine's ``RMSNorm`` (``transformer_engine/pytorch/ops/basic/
   rmsnorm.py``, ``RMSNorm.op_forward`` / ``op_backward`` at TE d0067d0): saves the input x and
-  rstdevs ``(tokens,)`` fp32.
+  rstdevs ``(tokens,)`` fp32; its backward's dgamma partial-sum workspace is not modelled
+  (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -17,47 +19,30 @@ from torch import Tensor, nn
 __all__ = ["fused_rms_norm", "te_rms_norm"]
 
 
-class _FusedRMSNorm(torch.autograd.Function):
-    """torch's fused RMSNorm: forward allocates y (x's dtype) and rstd ``(..., 1)`` fp32 and
-    saves x, rstd (and the weight, a parameter); backward allocates dx and dweight
-    (``_fused_rms_norm_backward``)."""
+class _RMSNorm(torch.autograd.Function):
+    """A fused RMSNorm: forward allocates y (x's dtype) and an fp32 rstd (``(..., 1)`` when
+    ``keepdim``, else ``(...)``) and saves x, rstd and the weight (a parameter); backward
+    allocates dx and dweight."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, keepdim: bool) -> Tensor:
         y = torch.empty_like(x)
-        rstd = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+        shape = (*x.shape[:-1], 1) if keepdim else x.shape[:-1]
+        rstd = torch.empty(shape, dtype=torch.float32, device=x.device)
         ctx.save_for_backward(x, rstd, weight)
         return y
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, _rstd, weight = ctx.saved_tensors
-        return torch.empty_like(x), torch.empty_like(weight)
+        return torch.empty_like(x), torch.empty_like(weight), None
 
 
 def fused_rms_norm(norm: nn.RMSNorm, x: Tensor) -> Tensor:
     """torch-native fused RMSNorm of ``x`` ``(..., h)`` (torchtitan's ``nn.RMSNorm`` on CUDA)."""
-    return _FusedRMSNorm.apply(x, norm.weight)
-
-
-class _TERMSNorm(torch.autograd.Function):
-    """TE ``RMSNorm``: forward allocates y (x's dtype) and rstdevs ``(tokens,)`` fp32, saves x
-    and rstdevs (``ctx.save_for_backward(x, rstdevs)``); backward allocates dx and dgamma
-    (``rmsnorm_bwd``; its dgamma partial-sum workspace is not modelled, see docs/kernels.md)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
-        y = torch.empty_like(x)
-        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        ctx.save_for_backward(x, rstd, weight)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, _rstd, weight = ctx.saved_tensors
-        return torch.empty_like(x), torch.empty_like(weight)
+    return _RMSNorm.apply(x, norm.weight, True)
 
 
 def te_rms_norm(norm: nn.RMSNorm, x: Tensor) -> Tensor:
     """TE RMSNorm of ``x`` ``(..., h)`` with ``norm``'s weight."""
-    return _TERMSNorm.apply(x, norm.weight)
+    return _RMSNorm.apply(x, norm.weight, False)
