@@ -304,6 +304,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pp-last-stage-layers", "--decoder-last-pipeline-num-layers",
                        dest="pp_last_stage_layers", type=int, default=None,
                        help="decoder layers on the last stage")
+    group.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                       help="count the embedding as one layer of the first (virtual) stage in "
+                            "the even split (Megatron-LM's flag)")
+    group.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                       help="count the loss as one layer of the last (virtual) stage in the "
+                            "even split (Megatron-LM's flag)")
     group.add_argument("--zero", type=int, default=1,
                        help="ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also "
                             "parameters, over DP (dense) and EDP (experts) (default 1)")
@@ -352,7 +358,10 @@ def _layout_kwargs(args: argparse.Namespace) -> dict:
                 **{name: getattr(args, name) for name in PRECISION_FLAGS},
                 pp_layout=parse_layout(args.pp_layout) if args.pp_layout is not None else None,
                 pp_first_stage_layers=args.pp_first_stage_layers,
-                pp_last_stage_layers=args.pp_last_stage_layers)
+                pp_last_stage_layers=args.pp_last_stage_layers,
+                account_for_embedding_in_pipeline_split=(
+                    args.account_for_embedding_in_pipeline_split),
+                account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
 
 
 def parallel_config_from_args(args: argparse.Namespace, model_cfg):

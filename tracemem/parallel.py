@@ -240,12 +240,19 @@ class ParallelConfig:
     @classmethod
     def create(cls, model_cfg, *, world_size: int, pp_layout: tuple[int, ...] | None = None,
                pp_first_stage_layers: int | None = None,
-               pp_last_stage_layers: int | None = None, **degrees) -> ParallelConfig:
+               pp_last_stage_layers: int | None = None,
+               account_for_embedding_in_pipeline_split: bool = False,
+               account_for_loss_in_pipeline_split: bool = False, **degrees) -> ParallelConfig:
         """A validated layout for ``model_cfg`` (a ``modeling.ModelConfig``).
 
         ``pp_layout`` gives layers per virtual stage; or ``pp_first_stage_layers`` /
         ``pp_last_stage_layers`` (Megatron's ``--decoder-first/last-pipeline-num-layers``) fix
-        the ends and split the rest evenly; or, with none of them, an even split.
+        the ends and split the rest evenly; or, with none of them, an even split, where
+        Megatron's ``--account-for-embedding-in-pipeline-split`` /
+        ``--account-for-loss-in-pipeline-split`` count the embedding / the loss as one more
+        layer of the first / last virtual stage (megatron/core/transformer/transformer_block.py
+        ``get_num_layers_to_build``: (layers + 1 + 1) split evenly over pp * vpp, the first
+        virtual stage builds one layer fewer, the last one fewer).
 
         Raises:
             TracememError: see the class docstring; also TP not dividing the attention heads,
@@ -253,8 +260,14 @@ class ParallelConfig:
                 not sum to the layer count.
         """
         probe = cls(world_size=world_size, **degrees)  # degree checks first
-        layout = _layout(model_cfg.num_layers, probe.num_virtual_stages, pp_layout,
-                         pp_first_stage_layers, pp_last_stage_layers, probe.vpp)
+        if account_for_embedding_in_pipeline_split or account_for_loss_in_pipeline_split:
+            layout = _accounted_layout(
+                model_cfg.num_layers, probe.pp, probe.vpp, pp_layout, pp_first_stage_layers,
+                pp_last_stage_layers, bool(account_for_embedding_in_pipeline_split),
+                bool(account_for_loss_in_pipeline_split))
+        else:
+            layout = _layout(model_cfg.num_layers, probe.num_virtual_stages, pp_layout,
+                             pp_first_stage_layers, pp_last_stage_layers, probe.vpp)
         config = cls(world_size=world_size, pp_layout=layout, **degrees)
         config.check_model(model_cfg)
         return config
@@ -309,6 +322,30 @@ class ParallelConfig:
         chunks = (placement.chunks_of(stage) if placement is not None
                   else range(stage, self.num_virtual_stages, self.pp))
         return [list(range(starts[v], starts[v] + self.pp_layout[v])) for v in chunks]
+
+
+def _accounted_layout(num_layers: int, pp: int, vpp: int, layout, first, last,
+                      embedding: bool, loss: bool) -> tuple[int, ...]:
+    """Megatron's ``get_num_layers_to_build`` with the embedding and / or loss counted as a
+    layer: (num_layers + embedding + loss) must divide by pp and then by vpp."""
+    flags = " / ".join(f for f, on in (("--account-for-embedding-in-pipeline-split", embedding),
+                                       ("--account-for-loss-in-pipeline-split", loss)) if on)
+    if layout is not None or first is not None or last is not None:
+        raise TracememError(f"{flags} apply to an even split; give them without --pp-layout "
+                            f"or --pp-first-stage-layers / --pp-last-stage-layers")
+    total = num_layers + embedding + loss
+    if total % pp or (total // pp) % vpp:
+        raise TracememError(f"{flags}: {num_layers} layers + {embedding + loss} = {total} must "
+                            f"divide by pp ({pp}) and then by vpp ({vpp}), as Megatron-LM "
+                            f"asserts")
+    per = total // (pp * vpp)
+    layout = [per] * (pp * vpp)
+    layout[0] -= embedding
+    layout[-1] -= loss
+    if min(layout) < 0:
+        raise TracememError(f"{flags}: {per} layer(s) per virtual stage leave none for the "
+                            f"embedding or loss; lower --pp or --vpp")
+    return tuple(layout)
 
 
 def _layout(num_layers: int, stages: int, layout, first, last, vpp: int = 1

@@ -137,3 +137,26 @@ def test_any_degrees_either_build_a_consistent_layout_or_raise_the_documented_er
     assert not (sp and tp == 1) and not (etp > 1 and ep == 1) and zero in (0, 1, 2, 3)
     assert sorted(i for stage in range(pp) for chunk in par.layers_of_stage(stage)
                   for i in chunk) == list(range(TINY.num_layers))
+
+
+def test_account_for_embedding_and_loss_in_pipeline_split():
+    """Megatron-LM get_num_layers_to_build: (layers + 1 + 1) split evenly over pp * vpp, the
+    first virtual stage one layer fewer (the embedding), the last one fewer (the loss).
+    DeepSeek-V3's 61 layers + 2 = 63 do not divide by 16; on PP 3: 63 / 3 = 21 per stage, so
+    20, 21, 20; with the embedding only, 62 / 2 = 31: 30, 31."""
+    from modeling.config import load_config
+    v3 = load_config("deepseek-v3")
+    both = ParallelConfig.create(v3, world_size=3, pp=3,
+                                 account_for_embedding_in_pipeline_split=True,
+                                 account_for_loss_in_pipeline_split=True)
+    assert both.pp_layout == (20, 21, 20)
+    embedding = ParallelConfig.create(v3, world_size=2, pp=2,
+                                      account_for_embedding_in_pipeline_split=True)
+    assert embedding.pp_layout == (30, 31)
+    with pytest.raises(TracememError, match="61 layers \\+ 2 = 63 must divide by pp \\(16\\)"):
+        ParallelConfig.create(v3, world_size=16, pp=16,
+                              account_for_embedding_in_pipeline_split=True,
+                              account_for_loss_in_pipeline_split=True)
+    with pytest.raises(TracememError, match="apply to an even split"):
+        ParallelConfig.create(v3, world_size=16, pp=16, pp_first_stage_layers=4,
+                              pp_last_stage_layers=1, account_for_loss_in_pipeline_split=True)
