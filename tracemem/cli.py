@@ -542,9 +542,8 @@ def _format_schedule_rows(args: argparse.Namespace) -> str:
             f"1024, TP 2 + SP, PP 16, EP 8, layers 4 / 4 x 14 / 1), b={args.b}, s={args.s}, "
             f"M=32, ZeRO-1, megatron. Parameter multiple: the rank's parameters over a mean "
             f"stage's; in-flight: model chunks of microbatches held, the schedule's most / "
-            f"Table 2's. GiB = 2^30 B. Under --kernels megatron-te (estimate's default) TE's "
-            f"Linear / GroupedLinear are autograd Functions that tracemem's I / W split does "
-            f"not yet defer, so zb-h1 matches 1f1b in bytes (docs/schedules.md).")
+            f"Table 2's. GiB = 2^30 B. A deferred W keeps each Linear's input and output "
+            f"gradient, which Table 2 does not price (docs/crosscheck.md).")
     return head + "\n\n" + tabulate(
         table, headers=["schedule", "rank", "layers", "params GiB", "params x (traced / "
                         "Table 2)", "in-flight (most / Table 2)", "in-flight at peak",
