@@ -224,4 +224,8 @@ def load_config(model: str | Path) -> ModelConfig:
         raise TracememError(f"{path}: cannot read: {error}") from None
     except json.JSONDecodeError as error:
         raise TracememError(f"{path}: malformed JSON: {error}") from None
+    except (ValueError, RecursionError) as error:  # a huge integer; nesting too deep
+        reason = ("nested too deeply" if isinstance(error, RecursionError) else
+                  str(error).splitlines()[0])
+        raise TracememError(f"{path}: unreadable JSON: {reason}") from None
     return config_from_dict(data, str(path))

@@ -66,6 +66,8 @@ _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
 MAX_HBM_BYTES = 2**50  # 1 PiB: more than any accelerator holds
+MAX_TOKENS = 2**32  # tokens per microbatch (b x s): beyond any machine's memory for one layer
+MAX_MICROBATCHES = 2**20  # microbatches per step: the replay is linear in them
 
 
 def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
@@ -533,6 +535,14 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                         ("--max-ep-classes", max_ep_classes)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise TracememError(f"{flag} {value!r} must be a positive integer")
+    if micro_batch_size * seq_length > MAX_TOKENS:
+        raise TracememError(
+            f"--micro-batch-size {micro_batch_size} x --seq-length {seq_length} = "
+            f"{micro_batch_size * seq_length:,} tokens per microbatch is more than 2^32; no "
+            f"machine holds one layer's activations for that")
+    if num_microbatches > MAX_MICROBATCHES:
+        raise TracememError(f"--num-microbatches {num_microbatches} is more than 2^20; the "
+                            f"replay's work grows with it (and no job runs that many)")
     if rounding is not None and (isinstance(rounding, bool) or not isinstance(rounding, int)
                                  or rounding < 0):
         raise TracememError(f"--rounding {rounding!r} must be 0 (exact bytes) or a positive "

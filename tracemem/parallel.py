@@ -12,7 +12,7 @@ EDP) shards each static quantity under each ZeRO stage; ``tracemem.static`` read
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from tracemem.errors import TracememError, divisors_hint
 from tracemem.precision import PRECISION_RECIPES, Precision, resolve_precision
@@ -259,6 +259,13 @@ class ParallelConfig:
                 EP not dividing the routed experts, more stages than layers, a layout that does
                 not sum to the layer count.
         """
+        valid = [f.name for f in fields(cls) if f.init and f.name not in ("world_size",
+                                                                          "pp_layout")]
+        unknown = sorted(set(degrees) - set(valid))
+        if unknown:
+            raise TracememError(
+                f"ParallelConfig.create: unknown keyword {unknown[0]!r}; valid: world_size, "
+                f"{', '.join(valid)}, pp_layout, pp_first_stage_layers, pp_last_stage_layers")
         probe = cls(world_size=world_size, **degrees)  # degree checks first
         if account_for_embedding_in_pipeline_split or account_for_loss_in_pipeline_split:
             layout = _accounted_layout(
