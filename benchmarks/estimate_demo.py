@@ -39,7 +39,8 @@ def main() -> None:
     what_fits_time()
     for label, extra in [("demo (flash, no recompute)", {}),
                          ("full recompute", {"recompute": "full"}),
-                         ("eager attention", {"attention": "eager"}),
+                         ("eager kernels, eager attention",
+                          {"kernels": "eager", "attention": "eager"}),
                          ("zipf:1.0 routing (every EP-rank class)", {"routing": "zipf:1.0"})]:
         start = time.perf_counter()
         result = estimate("deepseek-v3", **(DEMO | extra))
