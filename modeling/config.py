@@ -88,6 +88,12 @@ class ModelConfig:
                f"a divisor of n_routed_experts ({self.num_routed_experts})", self.name)
         _check(self.topk_group <= self.num_expert_groups, "topk_group", self.topk_group,
                f"at most n_group ({self.num_expert_groups})", self.name)
+        # RoPE rotates channel pairs (modeling.mla.apply_rope, Megatron's rope_utils)
+        _check(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", self.qk_rope_head_dim,
+               "even (RoPE rotates pairs of channels)", self.name)
+        _check(self.num_layers + self.num_mtp_modules <= MAX_LAYERS, "num_hidden_layers",
+               self.num_layers, f"at most {MAX_LAYERS:,} with the MTP modules (the deepest "
+               f"published models have about 130 layers)", self.name)
 
 
 def _check(ok: bool, key: str, value: Any, valid: str, source: str) -> None:
@@ -131,6 +137,8 @@ assert {f for f, _, _ in HF_KEYS.values()} | {"name"} == {f.name for f in fields
 # Sizes above this are rejected: no real model is near it, and products of such sizes overflow
 # the int64 storage sizes torch computes (2^24 = 16,777,216 elements per dimension).
 MAX_SIZE = 2**24
+# Decoder layers (MTP modules included) above this are rejected: each is a module to build.
+MAX_LAYERS = 4096
 _POSITIVE_REALS = {"rms_norm_eps", "routed_scaling_factor"}
 _SIZE_FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                 "num_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",

@@ -151,24 +151,33 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "meta", *,
     dtype = dtype or getattr(torch, cfg.dtype)
     profile = get_profile(kernels)
     with torch.device(device):
-        model = Transformer(cfg, attention, resolve_experts(experts, dtype), kernels=profile)
+        model = Transformer(cfg, attention, resolve_experts(
+            experts, dtype, (cfg.hidden_size, cfg.moe_intermediate_size)), kernels=profile)
     cast_parameters(model, dtype)
     return model
 
 
-def resolve_experts(experts: str, dtype: torch.dtype) -> str:
-    """The expert kernel for parameters of ``dtype``: ``torch._grouped_mm`` takes bfloat16
-    only, so "auto" picks "grouped" for bfloat16 and "sequential" for other dtypes.
+def resolve_experts(experts: str, dtype: torch.dtype, dims: tuple[int, ...] = ()) -> str:
+    """The expert kernel for parameters of ``dtype`` and expert matrix sizes ``dims`` (the
+    hidden size and the expert width held): ``torch._grouped_mm`` takes bfloat16 only, with
+    every dimension a multiple of 8 (its operands' strides must be 16-byte aligned), so "auto"
+    picks "grouped" when both hold and "sequential" otherwise.
 
     Raises:
-        TracememError: "grouped" with another dtype.
+        TracememError: "grouped" with another dtype or a size that is not a multiple of 8.
     """
+    aligned = all(d % 8 == 0 for d in dims)
     if experts == "auto":
-        return "grouped" if dtype == torch.bfloat16 else "sequential"
+        return "grouped" if dtype == torch.bfloat16 and aligned else "sequential"
     if experts == "grouped" and dtype != torch.bfloat16:
         raise TracememError(f"--experts grouped needs bfloat16 parameters (torch._grouped_mm); "
                             f"the parameters are {str(dtype).removeprefix('torch.')}: use "
                             f"--experts sequential or auto")
+    if experts == "grouped" and not aligned:
+        raise TracememError(f"--experts grouped needs the hidden size and the expert width "
+                            f"held to be multiples of 8 (torch._grouped_mm's 16-byte stride "
+                            f"alignment); they are {', '.join(map(str, dims))}: use --experts "
+                            f"sequential or auto")
     return experts
 
 

@@ -70,7 +70,8 @@ def build_rank(model_cfg: ModelConfig, par, rank: int, *, attention: str = "flas
             else range(where.pp_rank, par.num_virtual_stages, par.pp))
     dtype = dtype or getattr(torch, model_cfg.dtype)
     with torch.device(device):
-        model = Transformer(model_cfg, attention, resolve_experts(experts, dtype), sizes, chunks,
+        kind = resolve_experts(experts, dtype, (model_cfg.hidden_size, sizes.expert_inter))
+        model = Transformer(model_cfg, attention, kind, sizes, chunks,
                             pre_process=0 in held,
                             post_process=par.num_virtual_stages - 1 in held,
                             kernels=get_profile(kernels))

@@ -90,3 +90,23 @@ def test_malformed_json_and_unknown_model_are_clear_errors(tmp_path):
     bad.write_text("[1, 2]")
     with pytest.raises(TracememError, match="expected a JSON object, got list"):
         load_config(bad)
+
+
+def test_odd_rope_dim_too_many_layers_and_unaligned_grouped_experts_are_refused():
+    # issue 9 item 8: RoPE rotates channel pairs; a layer count no machine could build; and
+    # torch._grouped_mm needs sizes in multiples of 8 (auto falls back to one Linear each)
+    import dataclasses
+
+    import torch
+
+    from modeling.model import resolve_experts
+    tiny = load_config("deepseek-tiny")
+    with pytest.raises(TracememError, match="qk_rope_head_dim=7 is invalid; it must be even"):
+        dataclasses.replace(tiny, qk_rope_head_dim=7)
+    with pytest.raises(TracememError, match="num_hidden_layers=5000 is invalid; it must be at "
+                                            "most 4,096"):
+        dataclasses.replace(tiny, num_layers=5000)
+    assert resolve_experts("auto", torch.bfloat16, (60, 32)) == "sequential"
+    assert resolve_experts("auto", torch.bfloat16, (64, 32)) == "grouped"
+    with pytest.raises(TracememError, match="multiples of 8"):
+        resolve_experts("grouped", torch.bfloat16, (60, 32))
