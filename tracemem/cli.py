@@ -97,10 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flag(est)
     add_parallel_arguments(est)
     step = est.add_argument_group("training step")
-    step.add_argument("--micro-batch-size", type=int, required=True,
-                      help="sequences per microbatch b")
-    step.add_argument("--seq-length", type=int, required=True,
-                      help="sequence length s in tokens")
+    _add_batch_flags(step)
     step.add_argument("--num-microbatches", type=int, required=True,
                       help="microbatches per step per pipeline (M)")
     step.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
@@ -182,10 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flag(inv)
     add_parallel_arguments(inv)
     part = inv.add_argument_group("what to list")
-    part.add_argument("--micro-batch-size", type=int, required=True,
-                      help="sequences per microbatch b")
-    part.add_argument("--seq-length", type=int, required=True,
-                      help="sequence length s in tokens")
+    _add_batch_flags(part)
     part.add_argument("--part", default="layer 0",
                       help="'layer N' (a global decoder layer number), 'mtp K', 'embedding' or "
                            "'loss' (default: 'layer 0')")
@@ -235,6 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a case to run (repeatable; default: all)")
     validate.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
     return parser
+
+
+def _add_batch_flags(group) -> None:
+    """``--micro-batch-size`` and ``--seq-length`` (the API validates them)."""
+    group.add_argument("--micro-batch-size", type=int, required=True,
+                       help="sequences per microbatch b")
+    group.add_argument("--seq-length", type=int, required=True,
+                       help="sequence length s in tokens")
 
 
 def _add_kernel_flags(group, default: str = "megatron-te") -> None:

@@ -129,7 +129,7 @@ def _saved_storages(node) -> list[int]:
     return [t.untyped_storage()._cdata for t in tensors if t is not None]
 
 
-def _part_of(module: str, num_layers: int) -> str:
+def _part_of(module: str) -> str:
     parts = module.split(".")
     if parts[0] == "layers":
         return f"layer {parts[1]}"
@@ -206,7 +206,7 @@ def get_inventory(model: str | ModelConfig, *, world_size: int, micro_batch_size
     rows = []
     live_keys = {rec.sid: key for key, rec in tracer._live.items()}
     for info in sorted(tracer.live_at("now"), key=lambda i: i.storage_id):
-        if info.phase is not Phase.FORWARD or _part_of(info.module, cfg.num_layers) != part:
+        if info.phase is not Phase.FORWARD or _part_of(info.module) != part:
             continue
         by = tuple(saved.get(live_keys.get(info.storage_id), ()))
         rows.append(InventoryRow(info.module, by, info.op, info.shape,
