@@ -76,15 +76,12 @@ def _spans(ranks: list[int]) -> list[tuple[int, int]]:
 
 
 def stage_ranks(par) -> dict[int, list[tuple[int, int]]]:
-    """The global ranks of every pipeline stage, as inclusive ``(first, last)`` spans, from
-    ``modeling.parallel.build.coordinates`` (Megatron's rank order: TP fastest, PP slowest, so
-    each stage is one span: stage 1 of 1024 GPUs at PP 16 is ranks 64-127)."""
-    from modeling.parallel.build import coordinates
-
-    by_stage: dict[int, list[int]] = {stage: [] for stage in range(par.pp)}
-    for rank in range(par.world_size):
-        by_stage[coordinates(par, rank).pp_rank].append(rank)
-    return {stage: _spans(ranks) for stage, ranks in by_stage.items()}
+    """The global ranks of every pipeline stage, as inclusive ``(first, last)`` spans. In
+    Megatron's rank order (TP fastest, PP slowest; ``ParallelConfig.stage_of``) each stage is
+    one span of world / PP ranks: stage 1 of 1024 GPUs at PP 16 is ranks 64-127. Computed from
+    the spans, not by visiting every rank (a world of 10^12 ranks answers at once)."""
+    per = par.world_size // par.pp
+    return {stage: [(stage * per, (stage + 1) * per - 1)] for stage in range(par.pp)}
 
 
 def _format_spans(spans: list[tuple[int, int]]) -> str:

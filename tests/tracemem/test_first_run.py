@@ -229,3 +229,16 @@ def test_small_models_do_not_read_zero(capsys, tiny):
     row = next(line.split() for line in capsys.readouterr().out.splitlines()
                if line.split()[:2] == ["1", "2-3"])
     assert row[-1] == f"{stage1['total_bytes'] / 2**20:.2f}"
+
+
+def test_stage_ranks_agree_with_coordinates_and_answer_for_any_world_size():
+    # every rank of a span has that pipeline rank (modeling.parallel.build.coordinates); a
+    # world of 10^12 GPUs is answered from the spans, without visiting each rank
+    from modeling.parallel.build import coordinates
+    par = ParallelConfig.create(load_config("deepseek-tiny"), world_size=16, tp=2, pp=2, ep=2)
+    spans = stage_ranks(par)
+    assert spans == {0: [(0, 7)], 1: [(8, 15)]}
+    assert all(coordinates(par, r).pp_rank == stage
+               for stage, [(a, b)] in spans.items() for r in range(a, b + 1))
+    huge = ParallelConfig.create(load_config("deepseek-tiny"), world_size=10**12, pp=2)
+    assert stage_ranks(huge)[1] == [(5 * 10**11, 10**12 - 1)]
