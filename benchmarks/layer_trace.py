@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from modeling.block import Block
-from modeling.config import load_config
-from modeling.model import build_model
-from modeling.moe import MoE
-from modeling.routing import Balanced
+from modeling.common.block import Block
+from modeling import load_config
+from modeling.common.model import build_model
+from modeling.common.moe import MoE
+from modeling.common.routing import Balanced
 from tracemem import MemoryTracer
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "tracemem"))
 
-from modeling.config import load_config  # noqa: E402
-from modeling.routing import parse_routing  # noqa: E402
+from modeling import load_config  # noqa: E402
+from modeling.common.routing import parse_routing  # noqa: E402
 from tracemem.estimator import _trace_rank, replay_events, replay_schedule  # noqa: E402
 from tracemem.parallel import ParallelConfig  # noqa: E402
 from tracemem.schedules import schedule  # noqa: E402

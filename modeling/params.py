@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from modeling.config import ModelConfig
-from modeling.model import Transformer
+from modeling.families.deepseek.config import ModelConfig
+from modeling.common.model import Transformer
 
 __all__ = ["COMPONENTS", "count_by_component", "count_total", "count_activated"]
 

@@ -127,7 +127,7 @@ def what_fits(model, base, *, progress: Callable[[str], None] | None = None,
     Raises:
         TracememError: ``base`` has no ``hbm`` to fit in.
     """
-    from modeling.config import ModelConfig, load_config
+    from modeling import ModelConfig, load_config
     from tracemem.estimator import estimate
     from tracemem.report import get_verdict
 

@@ -46,9 +46,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (a function, so tests can call it)."""
-    from modeling.block import RECOMPUTE_MODES, RECOMPUTE_MODULES
-    from modeling.mla import ATTENTION_KERNELS
-    from modeling.moe import EXPERT_KERNELS
+    from modeling.common.block import RECOMPUTE_MODES, RECOMPUTE_MODULES
+    from modeling.common.attention.mla import ATTENTION_KERNELS
+    from modeling.common.moe import EXPERT_KERNELS
     from tracemem.examples import DTYPES, ToyConfig
     from tracemem.schedules import SCHEDULES
     from tracemem.validation.cases import CASES
@@ -407,8 +407,8 @@ def _run_toy(args: argparse.Namespace) -> str:
 
 
 def _run_params(args: argparse.Namespace) -> str:
-    from modeling.config import load_config
-    from modeling.model import build_model
+    from modeling import load_config
+    from modeling.common.model import build_model
     from modeling.params import count_activated, count_by_component, count_total
 
     cfg = load_config(args.model)
@@ -554,7 +554,7 @@ def _format_schedule_rows(args: argparse.Namespace) -> str:
 
 
 def _run_static(args: argparse.Namespace) -> str:
-    from modeling.config import load_config
+    from modeling import load_config
     from modeling.parallel.build import build_rank
     from tracemem.precision import PRECISION_RECIPES
     from tracemem.schedules import check_placement

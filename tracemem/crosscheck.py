@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling.block import Block
-from modeling.config import load_config
+from modeling.common.block import Block
+from modeling import load_config
 from modeling.parallel.build import build_rank
 from modeling.parallel.pp import recv_forward
-from modeling.routing import Balanced
+from modeling.common.routing import Balanced
 from tracemem.estimator import estimate
 from tracemem.formulas import megatron
 from tracemem.formulas import paper_2502_07846 as paper

@@ -34,8 +34,8 @@ from typing import NamedTuple
 
 import torch
 
-from modeling.block import Block
-from modeling.config import ModelConfig, load_config
+from modeling.common.block import Block
+from modeling import ModelConfig, load_config
 from modeling.kernels import KernelProfile, get_profile
 from modeling.parallel.build import build_rank, coordinates
 from modeling.parallel.pp import (
@@ -44,7 +44,7 @@ from modeling.parallel.pp import (
     recv_forward,
     send_forward,
 )
-from modeling.routing import Counts, RoutingModel, parse_routing
+from modeling.common.routing import Counts, RoutingModel, parse_routing
 from tracemem.categories import Category, Phase
 from tracemem.errors import TracememError
 from tracemem.memory import MemoryTimeline, parse_alloc_conf, write_snapshot
@@ -446,7 +446,7 @@ def _moe_layers_of_stage(cfg: ModelConfig, par: ParallelConfig, stage: int,
                          where: Placement) -> list[int]:
     """The MoE layer numbers (routing-model layer ids) pipeline rank ``stage`` runs: its
     decoder layers', and where it holds the last model chunk its MTP modules'
-    (``num_layers + i``, ``modeling.model.Transformer``)."""
+    (``num_layers + i``, ``modeling.common.model.Transformer``)."""
     layers = [i for chunk in par.layers_of_stage(stage, where) for i in chunk]
     if where.num_chunks - 1 in where.chunks_of(stage):
         layers += [cfg.num_layers + i for i in range(cfg.num_mtp_modules)]
@@ -459,7 +459,7 @@ def ep_rank_classes(cfg: ModelConfig, par: ParallelConfig, stage: int, routing: 
     whose local routed experts receive equal token-slot counts, expert by expert, in every MoE
     layer of the stage (``routing.counts`` of ``tokens`` local tokens; ``where``: the
     schedule's chunk placement). A rank's model and its
-    MoE forward depend on nothing else that differs between EP ranks (``modeling.moe.MoE``
+    MoE forward depend on nothing else that differs between EP ranks (``modeling.common.moe.MoE``
     reads only its own experts' counts), so one trace per class gives each rank's exact peak.
 
     Returns the classes in order of their lowest EP rank, each a sorted list of EP ranks.
@@ -495,15 +495,15 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
             zero, precision, plan).
         micro_batch_size, seq_length, num_microbatches: b, s (tokens) and M per step.
         schedule_name: ``tracemem.schedules.SCHEDULES``.
-        recompute, recompute_modules: ``modeling.block.Block.set_recompute``.
+        recompute, recompute_modules: ``modeling.common.block.Block.set_recompute``.
         recompute_method, recompute_num_layers: under full recompute, Megatron's
             ``--recompute-method uniform|block`` and ``--recompute-num-layers``
             (``tracemem.recompute``; default uniform 1: every layer on its own).
-        attention, experts: kernels (``modeling.mla``, ``modeling.moe``).
+        attention, experts: kernels (``modeling.common.attention.mla``, ``modeling.common.moe``).
         kernels, kernel_options: the kernel profile (``modeling.kernels.KERNEL_PROFILES``:
             "megatron-te", the default, "torch" or "eager") and its options
             (``modeling.kernels.MEGATRON_TE_OPTIONS``).
-        routing, seed: a routing model spec (``modeling.routing.parse_routing``). Under
+        routing, seed: a routing model spec (``modeling.common.routing.parse_routing``). Under
             routing other than balanced with EP > 1, every class of EP ranks that trace alike
             (``ep_rank_classes``) is traced and reported, one ``RankEstimate`` each.
         max_ep_classes: the most EP-rank classes traced per pipeline stage (default 8); more

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from modeling.config import ModelConfig, load_config
+from modeling import ModelConfig, load_config
 from modeling.kernels import get_profile
 from modeling.parallel.build import build_rank
 from modeling.parallel.pp import recv_forward
-from modeling.routing import Balanced
+from modeling.common.routing import Balanced
 from tracemem.categories import Phase
 from tracemem.errors import TracememError
 from tracemem.parallel import ParallelConfig

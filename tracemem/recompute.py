@@ -46,7 +46,7 @@ def check_recompute_method(recompute: str, method: str, num_layers: int) -> None
 
 
 def apply_recompute_method(model: torch.nn.Module, method: str, num_layers: int) -> None:
-    """Set up ``model`` (a ``modeling.model.Transformer`` whose layers were set to full
+    """Set up ``model`` (a ``modeling.common.model.Transformer`` whose layers were set to full
     recompute) for ``method`` with N = ``num_layers``, chunk by chunk."""
     for chunk in model.chunks:
         layers = [model.layers[str(i)] for i in chunk]

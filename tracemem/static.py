@@ -49,7 +49,7 @@ def fused_wgrad_modules(model: nn.Module) -> dict[str, set[tuple[int, ...]]]:
     ``RowParallelLinear`` and TE's ``Linear``, including the output head) and the grouped
     experts (TE ``GroupedLinear``, ``fuse_wgrad_accumulation``). Not the embedding, the norms
     or the router, whose gradients autograd makes as usual. Values: the weights' shapes."""
-    from modeling.moe import GroupedExperts
+    from modeling.common.moe import GroupedExperts
 
     return {name: {tuple(p.shape) for p in module.parameters(recurse=False)}
             for name, module in model.named_modules()

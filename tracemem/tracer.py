@@ -673,14 +673,14 @@ def _is_engine_inplace_sum(args, out) -> bool:
 
 # The way out of each kind of data-dependent op (see _DATA_DEPENDENT_OPS).
 _STATIC_BRANCH = ("make the step shape-static: decide the branch from the config or a routing "
-                  "model (modeling.routing, e.g. tokens per expert) instead of tensor values, "
+                  "model (modeling.common.routing, e.g. tokens per expert) instead of tensor values, "
                   "or compute both branches and pick with torch.where")
 _STATIC_SHAPE = ("make the shape static: take the counts from a routing model "
-                 "(modeling.routing, as modeling.moe does for tokens per expert), give the size "
+                 "(modeling.common.routing, as modeling.common.moe does for tokens per expert), give the size "
                  "(torch.nonzero_static, repeat_interleave(output_size=)), or wrap the block in a "
                  "torch.library custom op with register_fake returning the shapes to assume")
 _NO_HOST_COPY = ("keep the values that decide shapes in Python (the config, a routing model "
-                 "from modeling.routing) or wrap the block in a torch.library custom op with "
+                 "from modeling.common.routing) or wrap the block in a torch.library custom op with "
                  "register_fake")
 
 # Operators whose result depends on tensor values: what they need, and the way out. Keyed by

@@ -51,7 +51,7 @@ __all__ = ["zero3_units", "Zero3Gathers"]
 
 
 def zero3_units(model: nn.Module) -> dict[str, nn.Module]:
-    """The FSDP units of a rank's ``modeling.model.Transformer``, by module path: ``embed``,
+    """The FSDP units of a rank's ``modeling.common.model.Transformer``, by module path: ``embed``,
     ``layers.<i>``, ``head``, ``mtp.<i>`` (those present), and ``""`` for the root, which holds
     every parameter not in another unit."""
     units: dict[str, nn.Module] = {}

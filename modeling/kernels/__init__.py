@@ -2,7 +2,7 @@
 free, for every kernel family the model runs (norm, linear with TP / SP communication, RoPE,
 core attention, SwiGLU, router, MoE permute / dispatch / combine, grouped linear, loss).
 
-The model modules (``modeling.mla``, ``mlp``, ``moe``, ``block``, ``model``) hold a
+The model modules (``modeling.common.attention.mla``, ``mlp``, ``moe``, ``block``, ``model``) hold a
 ``KernelProfile`` and call its methods; they never pick a kernel themselves. Three profiles:
 
 - ``eager``: tracemem's own PyTorch modules, the ones proven byte-exact against real CPU

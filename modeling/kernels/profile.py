@@ -1,9 +1,9 @@
 """``KernelProfile``: the kernels one training stack runs, as one object the model holds.
 
 A profile has an ``orchestration``, the op order its framework runs around the kernels:
-``"eager"`` (tracemem's own modules: ``modeling.mla``, ``mlp``, ``moe``) or ``"megatron"``
-(Megatron-Core's ``MLASelfAttention``, ``MLP`` / ``SharedExpertMLP``, ``MoELayer`` with the
-alltoall dispatcher, at Megatron-LM d98e8a6), and the kernels themselves (``norm``,
+``"eager"`` (tracemem's own modules: ``modeling.common.attention.mla``, ``mlp``, ``moe``)
+or ``"megatron"`` (Megatron-Core's ``MLASelfAttention``, ``MLP`` / ``SharedExpertMLP``,
+``MoELayer`` with the alltoall dispatcher, at Megatron-LM d98e8a6), and the kernels themselves (``norm``,
 ``core_attention``, ``loss``, and for Megatron the TE linears, RoPE, SwiGLU and MoE token
 kernels in this package).
 """
@@ -47,7 +47,7 @@ class KernelProfile:
         return f"{type(self).__name__}({self.name!r}, {self.options})"
 
     def rms_norm(self, module: nn.RMSNorm, x: Tensor) -> Tensor:
-        """RMSNorm of ``x`` ``(..., h)`` with ``module``'s weight and eps (``modeling.norm``
+        """RMSNorm of ``x`` ``(..., h)`` with ``module``'s weight and eps (``modeling.common.norm``
         calls it from its forward)."""
         return nn.RMSNorm.forward(module, x)
 

@@ -1,6 +1,7 @@
 """Rotary position embedding kernels.
 
-- eager / torch: ``modeling.mla.apply_rope`` (rotate-half form on ``(b, s, n, d_r)``).
+- eager / torch: ``modeling.common.attention.mla.apply_rope`` (rotate-half form on
+  ``(b, s, n, d_r)``).
 - megatron-te: Megatron-Core's unfused RoPE, the same torch ops in the same order
   (megatron/core/models/common/embeddings/rope_utils.py ``_apply_rotary_pos_emb_bshd`` with
   ``mla_rotary_interleaved=True``, and ``_rotate_half``, at Megatron-LM d98e8a6): the even and

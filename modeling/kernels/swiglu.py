@@ -7,7 +7,7 @@
   the ``(..., f)`` output; backward the ``(..., 2f)`` input gradient (and ``(rows, 1)`` fp32 for
   the probabilities). The functions are ``jit_fuser``-compiled, so their pointwise
   intermediates are not materialised.
-- eager / torch: ``silu(w1 x) * w3 x`` in ``modeling.mlp``, which keeps both projections and
+- eager / torch: ``silu(w1 x) * w3 x`` in ``modeling.common.mlp``, which keeps both projections and
   the SiLU output.
 """
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling.config import ModelConfig
+from modeling.families.deepseek.config import ModelConfig
 from modeling.kernels import KernelProfile, get_profile
-from modeling.model import Transformer, cast_parameters, resolve_experts
+from modeling.common.model import Transformer, cast_parameters, resolve_experts
 from modeling.parallel.plans import local_sizes
 
 __all__ = ["RankCoordinates", "coordinates", "build_rank"]

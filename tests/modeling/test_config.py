@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from modeling.config import PRESETS, load_config
+from modeling import PRESETS, load_config
 from tracemem.errors import TracememError
 
 
@@ -42,7 +42,8 @@ _DROP = object()
 
 def _preset_text(name):
     from importlib import resources
-    return resources.files("modeling.presets").joinpath(f"{name}.json").read_text()
+    presets = resources.files("modeling.families.deepseek.presets")
+    return presets.joinpath(f"{name}.json").read_text()
 
 
 def test_a_config_file_loads_and_unknown_keys_are_ignored(tmp_path):
@@ -99,7 +100,7 @@ def test_odd_rope_dim_too_many_layers_and_unaligned_grouped_experts_are_refused(
 
     import torch
 
-    from modeling.model import resolve_experts
+    from modeling.common.model import resolve_experts
     tiny = load_config("deepseek-tiny")
     with pytest.raises(TracememError, match="qk_rope_head_dim=7 is invalid; it must be even"):
         dataclasses.replace(tiny, qk_rope_head_dim=7)

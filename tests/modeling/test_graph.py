@@ -10,9 +10,9 @@ import functools
 import pytest
 import torch
 
-from modeling.config import load_config
-from modeling.model import build_model
-from modeling.routing import Balanced
+from modeling import load_config
+from modeling.common.model import build_model
+from modeling.common.routing import Balanced
 from tracemem import MemoryTracer
 
 CFG = load_config("deepseek-tiny")  # 4 heads, 8 routed experts, top-2
@@ -71,7 +71,7 @@ def test_routed_tokens_reach_the_experts(experts):
 
 
 def test_grouped_experts_need_bfloat16_and_auto_picks_the_kernel():
-    from modeling.moe import GroupedExperts
+    from modeling.common.moe import GroupedExperts
     from tracemem.errors import TracememError
 
     with pytest.raises(TracememError, match="--experts grouped needs bfloat16 parameters"):

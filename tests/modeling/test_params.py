@@ -14,8 +14,8 @@ import resource
 import pytest
 import torch
 
-from modeling.config import load_config
-from modeling.model import build_model
+from modeling import load_config
+from modeling.common.model import build_model
 from modeling.params import count_activated, count_by_component, count_total
 
 

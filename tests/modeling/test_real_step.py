@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
-from modeling.config import load_config
-from modeling.model import build_model
-from modeling.routing import Observed, parse_routing
+from modeling import load_config
+from modeling.common.model import build_model
+from modeling.common.routing import Observed, parse_routing
 from tracemem import MemoryTracer
 from tracemem.validation import profile_cpu_step
 

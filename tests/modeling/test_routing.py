@@ -1,13 +1,13 @@
 """Routing models: per-expert token-slot counts.
 
-Reference: hand arithmetic of each model's formula (modeling/routing.py docstring).
+Reference: hand arithmetic of each model's formula (modeling/common/routing.py docstring).
 """
 
 import json
 
 import pytest
 
-from modeling.routing import Balanced, Counts, Hot, Zipf, apportion, parse_routing
+from modeling.common.routing import Balanced, Counts, Hot, Zipf, apportion, parse_routing
 from tracemem.errors import TracememError
 
 

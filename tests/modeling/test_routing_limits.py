@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from modeling.routing import apportion, parse_routing
+from modeling.common.routing import apportion, parse_routing
 from tracemem.errors import TracememError
 from tracemem.estimator import estimate, parse_bytes
 

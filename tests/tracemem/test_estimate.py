@@ -86,8 +86,8 @@ def test_tracemem_estimate_is_the_python_api():
 
 
 def test_skewed_routing_traces_every_ep_rank_class():
-    from modeling.config import load_config
-    from modeling.routing import parse_routing
+    from modeling import load_config
+    from modeling.common.routing import parse_routing
 
     result = estimate("deepseek-tiny", world_size=4, ep=4, pp=1, micro_batch_size=2,
                       seq_length=32, num_microbatches=2, routing="hot:1:0.5",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from modeling.config import load_config
+from modeling import load_config
 from tracemem.advice import what_fits
 from tracemem.cli import main
 from tracemem.estimator import estimate

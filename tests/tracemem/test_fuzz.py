@@ -11,7 +11,7 @@ import io
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from modeling.routing import parse_routing
+from modeling.common.routing import parse_routing
 from tracemem.cli import main
 from tracemem.errors import TracememError
 from tracemem.estimator import estimate, parse_bytes

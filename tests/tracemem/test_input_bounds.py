@@ -3,7 +3,7 @@ files. Reference: the messages the issue asks for (one line, naming the fault)."
 
 import pytest
 
-from modeling.config import load_config
+from modeling import load_config
 from tracemem.errors import TracememError
 from tracemem.parallel import ParallelConfig
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import modeling
-from modeling.config import load_config
+from modeling import load_config
 from tracemem.cli import build_parser, main, parallel_config_from_args
 from tracemem.errors import TracememError
 from tracemem.parallel import format_layout, suggest_ends, suggest_layout
@@ -139,7 +139,8 @@ def test_suggestions_by_hand():
 def test_the_vpp_advice_runs_end_to_end(tmp_path, capsys):
     """The issue's sequence on a 5-layer model: --vpp 2 with first / last stage layers is
     rejected, and the --pp-layout it suggests runs."""
-    preset = Path(modeling.__file__).parent / "presets" / "deepseek-tiny.json"
+    preset = (Path(modeling.__file__).parent / "families" / "deepseek" / "presets"
+              / "deepseek-tiny.json")
     config = json.loads(preset.read_text())
     config["num_hidden_layers"] = 5
     path = tmp_path / "config.json"

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from modeling.config import load_config
+from modeling import load_config
 from tracemem import estimate
 from tracemem.cli import main
 from tracemem.errors import TracememError

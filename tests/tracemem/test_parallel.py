@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modeling.config import load_config
+from modeling import load_config
 from tracemem.errors import TracememError
 from tracemem.parallel import ParallelConfig, parse_layout
 
@@ -144,7 +144,7 @@ def test_account_for_embedding_and_loss_in_pipeline_split():
     first virtual stage one layer fewer (the embedding), the last one fewer (the loss).
     DeepSeek-V3's 61 layers + 2 = 63 do not divide by 16; on PP 3: 63 / 3 = 21 per stage, so
     20, 21, 20; with the embedding only, 62 / 2 = 31: 30, 31."""
-    from modeling.config import load_config
+    from modeling import load_config
     v3 = load_config("deepseek-v3")
     both = ParallelConfig.create(v3, world_size=3, pp=3,
                                  account_for_embedding_in_pipeline_split=True,

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from modeling.config import load_config
+from modeling import load_config
 from modeling.parallel.build import build_rank
 from tracemem import estimate
 from tracemem.cli import main

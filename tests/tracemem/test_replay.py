@@ -8,7 +8,7 @@ deepseek-tiny under every schedule. Hand arithmetic for the event stream's invar
 
 import pytest
 
-from modeling.config import load_config
+from modeling import load_config
 from tracemem.categories import Category
 from tracemem.estimator import (
     ReplayPeak,
@@ -17,7 +17,7 @@ from tracemem.estimator import (
     replay_schedule,
 )
 from tracemem.parallel import ParallelConfig
-from modeling.routing import parse_routing
+from modeling.common.routing import parse_routing
 from tracemem.schedules import schedule
 
 

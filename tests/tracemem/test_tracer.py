@@ -328,7 +328,7 @@ def test_v2_router_stage_peak_does_not_grow_with_the_number_of_microbatches():
     import dataclasses
 
     import tracemem
-    from modeling.config import load_config
+    from modeling import load_config
 
     v2_router = dataclasses.replace(
         load_config("deepseek-tiny"), name="deepseek-tiny-v2-router", scoring_func="softmax",

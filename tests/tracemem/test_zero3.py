@@ -12,9 +12,9 @@ import json
 
 import torch
 
-from modeling.config import load_config
+from modeling import load_config
 from modeling.parallel.build import build_rank
-from modeling.routing import parse_routing
+from modeling.common.routing import parse_routing
 from tracemem import estimate
 from tracemem.categories import Category, Phase
 from tracemem.cli import main

@@ -291,7 +291,7 @@ class TinyLM(nn.Module):
 
 class GroupLimitedRouter(nn.Module):
     """DeepSeek-V2's router (softmax scores, group-limited greedy top-k: groups ranked by
-    their best score, ``modeling.moe.Gate``) on its own. ``amax`` saves its output for
+    their best score, ``modeling.common.moe.Gate``) on its own. ``amax`` saves its output for
     backward, but that output only feeds ``topk``'s indices, so ``AmaxBackward0`` never runs:
     the saved output must die with the graph."""
 

@@ -8,9 +8,9 @@ an all-gather's backward is a reduce-scatter, an all-to-all's backward the rever
 
 import torch
 
-from modeling.config import load_config
+from modeling import load_config
 from modeling.parallel.build import build_rank
-from modeling.routing import Balanced
+from modeling.common.routing import Balanced
 from tracemem import MemoryTracer
 from tracemem.parallel import ParallelConfig
 

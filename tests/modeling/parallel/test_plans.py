@@ -8,7 +8,7 @@ q_lora 1536, kv_lora 512, 256 experts of width 2048, 1 shared expert, vocab 1292
 
 import pytest
 
-from modeling.config import load_config
+from modeling import load_config
 from modeling.parallel.build import build_rank, coordinates
 from modeling.parallel.plans import padded_vocab
 from tracemem.parallel import ParallelConfig

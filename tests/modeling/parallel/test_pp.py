@@ -6,7 +6,7 @@ Megatron-LM's deallocate_output_tensor (the sent output's data is freed, its gra
 
 import torch
 
-from modeling.config import load_config
+from modeling import load_config
 from modeling.parallel.build import build_rank
 from modeling.parallel.pp import (
     backward_from,
@@ -14,7 +14,7 @@ from modeling.parallel.pp import (
     recv_forward,
     send_forward,
 )
-from modeling.routing import Balanced
+from modeling.common.routing import Balanced
 from tracemem import MemoryTracer
 from tracemem.parallel import ParallelConfig
 

@@ -22,7 +22,7 @@ def test_dualpipe_every_rank_holds_two_stages_and_pp_plus_one_microbatches():
     assert [r.inflight_microbatches for r in dual.ranks] == [3, 3]  # pp + 1
     # both stages' parameters on every rank: 1F1B's two stages, less the MTP module's
     # embedding, which shares the first stage's table when one rank holds both
-    from modeling.config import load_config
+    from modeling import load_config
     cfg = load_config("deepseek-tiny")
     embedding = 2 * cfg.vocab_size * cfg.hidden_size // 2  # bf16, vocabulary split by TP 2
     assert dual.ranks[0].parameter_bytes == \

@@ -7,14 +7,14 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from modeling.config import ModelConfig
+from modeling.families.deepseek.config import ModelConfig
 from modeling.kernels import KernelProfile, get_profile
-from modeling.mla import MLA
-from modeling.mlp import MLP
-from modeling.moe import MoE
-from modeling.norm import RMSNorm
+from modeling.common.attention.mla import MLA
+from modeling.common.mlp import MLP
+from modeling.common.moe import MoE
+from modeling.common.norm import RMSNorm
 from modeling.parallel.plans import LocalSizes
-from modeling.routing import RoutingModel
+from modeling.common.routing import RoutingModel
 from tracemem.errors import TracememError
 
 __all__ = ["Block", "RECOMPUTE_MODES", "RECOMPUTE_MODULES"]

@@ -88,7 +88,8 @@ class ModelConfig:
                f"a divisor of n_routed_experts ({self.num_routed_experts})", self.name)
         _check(self.topk_group <= self.num_expert_groups, "topk_group", self.topk_group,
                f"at most n_group ({self.num_expert_groups})", self.name)
-        # RoPE rotates channel pairs (modeling.mla.apply_rope, Megatron's rope_utils)
+        # RoPE rotates channel pairs (modeling.common.attention.mla.apply_rope, Megatron's
+        # rope_utils)
         _check(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", self.qk_rope_head_dim,
                "even (RoPE rotates pairs of channels)", self.name)
         _check(self.num_layers + self.num_mtp_modules <= MAX_LAYERS, "num_hidden_layers",
@@ -218,7 +219,8 @@ def load_config(model: str | Path) -> ModelConfig:
     """
     name = str(model)
     if name in PRESETS:
-        text = resources.files("modeling.presets").joinpath(f"{name}.json").read_text()
+        presets = resources.files("modeling.families.deepseek.presets")
+        text = presets.joinpath(f"{name}.json").read_text()
         return config_from_dict(json.loads(text), name)
     path = Path(name)
     if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face model folder

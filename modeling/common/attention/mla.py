@@ -12,10 +12,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from modeling.config import ModelConfig
+from modeling.families.deepseek.config import ModelConfig
 from modeling.kernels import KernelProfile, get_profile
-from modeling.linear import Linear
-from modeling.norm import RMSNorm
+from modeling.common.linear import Linear
+from modeling.common.norm import RMSNorm
 from modeling.parallel.collectives import all_gather, reduce_scatter
 from tracemem.errors import TracememError
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from modeling.kernels import KernelProfile, get_profile
-from modeling.linear import Linear
+from modeling.common.linear import Linear
 from modeling.parallel.collectives import all_gather, reduce_scatter
 
 __all__ = ["MLP"]

@@ -8,14 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modeling.block import Block
-from modeling.config import ModelConfig
+from modeling.common.block import Block
+from modeling.families.deepseek.config import ModelConfig
 from modeling.kernels import KernelProfile, get_profile
-from modeling.linear import Linear
-from modeling.norm import RMSNorm
+from modeling.common.linear import Linear
+from modeling.common.norm import RMSNorm
 from modeling.parallel.collectives import all_gather, reduce_scatter
 from modeling.parallel.plans import LocalSizes
-from modeling.routing import RoutingModel
+from modeling.common.routing import RoutingModel
 from tracemem.errors import TracememError
 
 __all__ = ["Transformer", "MTPModule", "MTP_LOSS_WEIGHT", "build_model", "cast_parameters",
@@ -62,9 +62,9 @@ class Transformer(nn.Module):
 
     Args:
         cfg: sizes.
-        attention: ``"flash"`` or ``"eager"`` (``modeling.mla.MLA``).
+        attention: ``"flash"`` or ``"eager"`` (``modeling.common.attention.mla.MLA``).
         kernels: a ``modeling.kernels`` profile (default eager).
-        experts: ``"grouped"`` or ``"sequential"`` (``modeling.moe.MoE``).
+        experts: ``"grouped"`` or ``"sequential"`` (``modeling.common.moe.MoE``).
         sizes: local module sizes (``modeling.parallel.plans.LocalSizes``); default unsharded.
         chunks: the global layer numbers of each model chunk held (one chunk without virtual
             pipeline stages); default one chunk of all layers.

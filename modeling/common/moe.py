@@ -1,7 +1,7 @@
 """Mixture of experts: router (``gate``), routed experts, shared experts.
 
 The forward never reads tensor values: how many token-slots each local expert receives comes
-from a routing model (``modeling.routing``) as a list of ints. The router's logits, scores,
+from a routing model (``modeling.common.routing``) as a list of ints. The router's logits, scores,
 group scores and top-k still run, with their true shapes, for their memory. On real tensors the
 dispatch order is the real one (an argsort of the router's top-k expert ids), so a real run
 whose counts are the true histogram of its router computes exactly what an ordinary MoE does.
@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modeling.config import ModelConfig
+from modeling.families.deepseek.config import ModelConfig
 from modeling.kernels import KernelProfile, get_profile
-from modeling.mlp import MLP
+from modeling.common.mlp import MLP
 from modeling.parallel.collectives import all_gather, all_to_all, reduce_scatter
-from modeling.routing import RoutingModel
+from modeling.common.routing import RoutingModel
 from tracemem.errors import TracememError
 
 __all__ = ["Gate", "GroupedExperts", "MoE", "EXPERT_KERNELS"]

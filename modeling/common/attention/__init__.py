@@ -1,0 +1,1 @@
+"""Attention blocks (MLA)."""
