@@ -228,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--case", action="append", choices=[c.name for c in CASES],
                           help="a case to run (repeatable; default: all)")
     validate.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
+    validate.add_argument("--against", choices=["cpu", "megatron-core"], default="cpu",
+                          help="cpu (default): the cases above, real CPU runs; megatron-core: "
+                               "Megatron-Core's own GPTModel with tracemem's megatron-te "
+                               "leaves on meta under a fake process group, per layer against "
+                               "tracemem's build_rank (needs pip install 'tracemem[megatron]')")
     return parser
 
 
@@ -616,6 +621,8 @@ def _span(layers: list[int]) -> str:
 
 
 def _run_validate(args: argparse.Namespace) -> str:
+    if args.against == "megatron-core":
+        return _run_validate_megatron(args)
     from tracemem.validation import compare_case, get_case
     from tracemem.validation.cases import CASES
     from modeling.kernels import KERNEL_PROFILES
@@ -642,6 +649,25 @@ def _run_validate(args: argparse.Namespace) -> str:
               f"{c.case.unseen_cause_later}" for c in comparisons if c.case.unseen_cause_later]
     heading = ["", "Allocations below the dispatcher, by case:"] if notes else []
     return "\n".join([format_comparisons(comparisons), *heading, *notes])
+
+
+def _run_validate_megatron(args: argparse.Namespace) -> str:
+    from tracemem.oracle.compare import ORACLE_CASES, format_results, run_case
+
+    if args.case:
+        raise TracememError("--case names a CPU case; --against megatron-core runs its own "
+                            "layouts (docs/validation.md)")
+    results = [run_case(case) for case in ORACLE_CASES]
+    if args.json:
+        return json.dumps([{"layout": r.case.name, "equal": r.equal,
+                            "layers": {str(i): {side: {k: getattr(b[i], k) for k in
+                                                       ("kept", "forward_peak",
+                                                        "backward_peak", "params")}
+                                                for side, b in (("megatron_core", r.megatron),
+                                                                ("tracemem", r.tracemem))}
+                                       for i in sorted(r.megatron)}} for r in results],
+                          indent=2)
+    return format_results(results)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
