@@ -70,6 +70,11 @@ ORACLE_CASES: tuple[OracleCase, ...] = (
     OracleCase(ep=8),
     OracleCase(tp=2, sp=True, ep=4),
     OracleCase(tp=2, sp=True, ep=8),
+    OracleCase(ep=4, etp=2),
+    OracleCase(tp=2, sp=True, ep=4, etp=2),
+    OracleCase(tp=2, sp=True, ep=4, recompute="full"),
+    OracleCase(tp=2, sp=True, ep=4, recompute="selective", modules=("core_attn",)),
+    OracleCase(tp=2, sp=True, ep=4, recompute="selective", modules=("mla_up_proj",)),
 )
 
 

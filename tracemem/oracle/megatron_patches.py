@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -200,11 +201,11 @@ def _dispatcher_preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
     self.num_out_tokens = tokens * top_k
     n_local = self.num_local_experts
     peers = self.tp_size * self.ep_size
-    if self.ep_size > 1 or self.tp_size > 1:
-        self.input_splits = [sum(counts[r * n_local:(r + 1) * n_local])
-                             for r in range(self.ep_size)]
-        self.output_splits = [sum(local)] * self.ep_size
-        self.output_splits_tp = [sum(local) * self.ep_size] * self.tp_size
+    if self.ep_size > 1 or self.tp_size > 1:  # numpy arrays, as the host copies are
+        self.input_splits = numpy.array([sum(counts[r * n_local:(r + 1) * n_local])
+                                         for r in range(self.ep_size)])
+        self.output_splits = numpy.array([sum(local)] * self.ep_size)
+        self.output_splits_tp = numpy.array([sum(local) * self.ep_size] * self.tp_size)
     self.num_global_tokens_per_local_expert = torch.tensor(
         [local] * peers, dtype=torch.long, device="cpu")
     self.cuda_sync_point = "no_sync"
@@ -275,6 +276,16 @@ PATCHES: tuple[Patch, ...] = (
           "tensor_parallel/random.py CudaRNGStatesTracker.fork: transformer/transformer_block.py "
           "TransformerBlock.forward forks the model-parallel CUDA RNG under SP (a CUDA RNG "
           "state, never seeded here); dropout is 0 and meta has no values, so nothing to fork"),
+    Patch("megatron.core.tensor_parallel.random", "_get_all_rng_states",
+          lambda: (lambda: (None, None, None)),
+          "tensor_parallel/random.py _get_all_rng_states: CheckpointFunction (full recompute) "
+          "and CheckpointWithoutOutput (mla_up_proj, moe_act) stash the CPU and CUDA RNG "
+          "states (torch.cuda.get_rng_state needs CUDA); both are host tensors, not GPU "
+          "memory, and meta draws no random numbers"),
+    Patch("megatron.core.tensor_parallel.random", "_set_all_rng_states",
+          lambda: (lambda *states: None),
+          "tensor_parallel/random.py _set_all_rng_states: restores the stash above; nothing "
+          "to restore"),
     Patch(_MOE_UTILS, "HAVE_TE", lambda: True,
           "transformer/moe/moe_utils.py HAVE_TE (False without Transformer Engine): permute / "
           "unpermute / sort_chunks_by_idxs with fused=True check it before the TE kernels",
