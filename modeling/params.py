@@ -1,15 +1,16 @@
 """Parameter counts of a built model, total, activated per token and per component.
 
 Counted: parameters and persistent buffers (what a checkpoint holds: V3's router correction
-bias is a buffer and is counted, the RoPE frequencies are not).
+bias is a buffer and is counted, the RoPE frequencies are not). The component of each is its
+declaration (``modeling.parallel.groups.ParamGroup.component``, made where the module makes
+the parameter), never its name.
 """
 
 from __future__ import annotations
 
-from torch import nn
-
 from modeling.families.deepseek.config import ModelConfig
 from modeling.common.model import Transformer
+from modeling.parallel.groups import declared_tensors
 
 __all__ = ["COMPONENTS", "count_by_component", "count_total", "count_activated"]
 
@@ -17,50 +18,19 @@ COMPONENTS = ("embedding", "attention", "norms", "dense_mlp", "router", "routed_
               "shared_experts", "output_head", "mtp_projection", "mtp_layer")
 
 
-def _component(module_name: str, module: nn.Module) -> str:
-    parts = module_name.split(".")
-    if parts[0] == "mtp":  # everything of an MTP module, its norms included
-        return "mtp_layer" if parts[2] == "block" else "mtp_projection"
-    if isinstance(module, nn.RMSNorm):  # including MLA's q_norm and kv_norm
-        return "norms"
-    if parts[0] == "embed":
-        return "embedding"
-    if parts[0] == "head":
-        return "output_head"
-    sub = parts[2]  # layers.{i}.<sub>...
-    if sub == "attn":
-        return "attention"
-    if len(parts) > 3 and parts[3] == "gate":
-        return "router"
-    if len(parts) > 3 and parts[3] == "experts":
-        return "routed_experts"
-    if len(parts) > 3 and parts[3] == "shared_experts":
-        return "shared_experts"
-    return "dense_mlp"
-
-
-def _entries(model: nn.Module, buffers: bool):
-    """(component, tensor) for every parameter (and persistent buffer), shared ones once."""
-    seen: set[int] = set()
-    for module_name, module in model.named_modules():
-        tensors = list(module.named_parameters(recurse=False))
-        if buffers:
-            tensors += [(name, buf) for name, buf in module.named_buffers(recurse=False)
-                        if name not in module._non_persistent_buffers_set]
-        for _, tensor in tensors:
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                yield _component(module_name, module), tensor
-
-
 def count_by_component(model: Transformer, buffers: bool = True) -> dict[str, int]:
     """Element counts per component (``COMPONENTS``; MTP modules counted apart from the main
     model; the main model's RMSNorms, MLA's q_norm and kv_norm included, under "norms"). Shared
-    tensors (a
-    tied head, the MTP's use of the embedding) count once."""
+    tensors (a tied head, the MTP's use of the embedding) count once. Each tensor counts under
+    the component it declares (``modeling.parallel.groups``); one outside ``COMPONENTS`` (a
+    user's layer may declare one) is added after them.
+
+    Raises:
+        TracememError: a parameter that declares no group (``modeling.parallel.groups``).
+    """
     counts = dict.fromkeys(COMPONENTS, 0)
-    for component, tensor in _entries(model, buffers):
-        counts[component] += tensor.numel()
+    for _, _, tensor, group in declared_tensors(model, buffers):
+        counts[group.component] = counts.get(group.component, 0) + tensor.numel()
     return counts
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from modeling.parallel.plans import is_expert_param
+from modeling.parallel.groups import numel_by_kind
 from tracemem.errors import TracememError
 
 __all__ = ["OPTIMIZERS", "trace_optimizer_step"]
@@ -51,9 +51,7 @@ def _shard_numels(model: nn.Module, par, quantity: str) -> list[int]:
     """Elements of this rank's shard of the dense and of the expert parameters, as
     ``SHARDING``'s ``quantity`` rows split them: ceil(total / group), one contiguous range of
     each buffer (Megatron's per-parameter pieces of that range are taken together)."""
-    totals = {"dense": 0, "expert": 0}
-    for name, param in model.named_parameters():
-        totals["expert" if is_expert_param(name, par.plan) else "dense"] += param.numel()
+    totals = numel_by_kind(model)  # by each parameter's declared group
     return [-(-n // par.shards(quantity, kind)) for kind, n in totals.items() if n]
 
 

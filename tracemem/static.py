@@ -7,7 +7,9 @@ only the bytes per element and the ZeRO divisors are conventions, each cited bel
 
 ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054): stage 1 shards optimizer states, stage 2 also
 gradients, stage 3 also parameters; which group shards each quantity (dense: DP x CP, expert:
-EDP) is the table ``tracemem.parallel.SHARDING``, each row cited to Megatron-Core.
+EDP) is the table ``tracemem.parallel.SHARDING``, each row cited to Megatron-Core; which group
+a parameter is in is its own declaration (``modeling.parallel.groups``: made where the module
+makes the parameter, as Megatron-Core's ``allreduce`` attribute is), never its name.
 A sharded count is rounded up (ceil) to whole elements per rank. Under ZeRO-3 each FSDP unit
 (decoder layer, MTP module, embedding, head; ``tracemem.zero3``) is all-gathered before use:
 ``zero3_gather_bytes`` is the largest single unit's gathered parameters, the least a ZeRO-3 rank
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from modeling.parallel.plans import is_expert_param
+from modeling.parallel.groups import numel_by_kind
 from modeling.params import count_by_component
 from tracemem.categories import Category
 from tracemem.precision import PRECISION_RECIPES, Precision
@@ -92,15 +94,17 @@ def _shard(elements: int, ways: int) -> int:
 
 def static_memory(model: nn.Module, par) -> StaticMemory:
     """Static memory of a rank's model (``build_rank``) under ``par`` (a
-    ``tracemem.ParallelConfig``: its zero, resolved precision ``precision_spec``, plan and the
-    group sizes that ``tracemem.parallel.SHARDING`` names)."""
+    ``tracemem.ParallelConfig``: its zero, resolved precision ``precision_spec`` and the
+    group sizes that ``tracemem.parallel.SHARDING`` names). Each parameter's group (dense or
+    expert) is its declaration (``modeling.parallel.groups.ParamGroup.kind``).
+
+    Raises:
+        TracememError: a parameter that declares no group (the message names it and shows
+            ``modeling.parallel.groups.declare``).
+    """
     recipe = par.precision_spec
-    dense = expert = 0
-    for name, param in model.named_parameters():
-        if is_expert_param(name, par.plan):
-            expert += param.numel()
-        else:
-            dense += param.numel()
+    kinds = numel_by_kind(model)
+    dense, expert = kinds["dense"], kinds["expert"]
 
     def sharded(bytes_per: int, quantity: str) -> int:
         return bytes_per * (_shard(dense, par.shards(quantity, "dense"))

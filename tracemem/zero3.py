@@ -6,8 +6,10 @@ before it runs and frees them after. ``Zero3Gathers.install(model)`` puts those 
 rank's trace as real allocations (one flat buffer of the unit's parameter bytes per gather,
 tagged ``parameter`` in the active ``MemoryTracer``), so the schedule replay places them.
 
-Units (``zero3_units``): each decoder layer, each MTP module, the embedding and the output
-head; the root (the ``Transformer`` itself) holds whatever is left (the final norm).
+Units (``zero3_units``): the modules declared units where they are made
+(``modeling.parallel.groups.declare_fsdp_unit``; ``modeling``'s ``Transformer`` declares each
+decoder layer, each MTP module, the embedding and the output head); the root (the model
+itself) holds whatever is left (the final norm). No module or parameter name is matched.
 
 Rules, each from torch 2.13's FSDP2 (``torch/distributed/fsdp/_fully_shard/``):
 - ``FSDPParamGroup.pre_forward`` (``_fsdp_param_group.py``): unshard (all-gather) before the
@@ -44,6 +46,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from modeling.parallel.groups import is_fsdp_unit
 from tracemem.categories import Category
 from tracemem.tracer import MemoryTracer
 
@@ -51,13 +54,13 @@ __all__ = ["zero3_units", "Zero3Gathers"]
 
 
 def zero3_units(model: nn.Module) -> dict[str, nn.Module]:
-    """The FSDP units of a rank's ``modeling.common.model.Transformer``, by module path: ``embed``,
-    ``layers.<i>``, ``head``, ``mtp.<i>`` (those present), and ``""`` for the root, which holds
+    """The FSDP units of a rank's model, by module path: every module declared a unit
+    (``modeling.parallel.groups.declare_fsdp_unit``; in a ``Transformer``: ``embed``,
+    ``layers.<i>``, ``head``, ``mtp.<i>``, those present), and ``""`` for the root, which holds
     every parameter not in another unit."""
     units: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
-        parts = name.split(".")
-        if name in ("embed", "head") or (len(parts) == 2 and parts[0] in ("layers", "mtp")):
+        if name and is_fsdp_unit(module):
             units[name] = module
     units[""] = model
     return units
@@ -65,13 +68,16 @@ def zero3_units(model: nn.Module) -> dict[str, nn.Module]:
 
 def unit_params(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     """Each unit's parameters (the root: those in no other unit), as held by this rank before
-    ZeRO sharding: what one all-gather of the unit materialises."""
+    ZeRO sharding: what one all-gather of the unit materialises. A unit declared inside another
+    is gathered on its own, not with the outer one (FSDP2's nested ``fully_shard``)."""
     units = zero3_units(model)
     owned: set[int] = set()
     out: dict[str, list[nn.Parameter]] = {}
     for name, unit in units.items():
         if name:
-            params = {id(p): p for p in unit.parameters()}
+            inner = {id(p) for sub_name, sub in unit.named_modules()
+                     if sub_name and is_fsdp_unit(sub) for p in sub.parameters()}
+            params = {id(p): p for p in unit.parameters() if id(p) not in inner}
             owned.update(params)
             out[name] = list(params.values())
     out[""] = [p for p in model.parameters() if id(p) not in owned]

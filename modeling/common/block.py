@@ -49,7 +49,8 @@ class Block(nn.Module):
         if cfg.is_moe_layer(layer_id):
             self.ffn = MoE(cfg, experts, sizes.expert_ids, layer_id, sizes.expert_inter,
                            sizes.shared_inter, sizes.ep, sizes.etp,
-                           shared_sp=sizes.sp if sizes.shared_split else 1, kernels=kernels)
+                           shared_sp=sizes.sp if sizes.shared_split else 1, kernels=kernels,
+                           shared_split=sizes.shared_split, shared_kind=sizes.shared_kind)
         else:
             self.ffn = MLP(cfg.hidden_size, sizes.dense_inter, sizes.sp, kernels)
 

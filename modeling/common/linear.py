@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from modeling.parallel.groups import ParamGroup, declare_module, replicated
+
 __all__ = ["Linear"]
 
 
@@ -24,12 +26,20 @@ class Linear(nn.Linear):
     RMSNorm fused in front (TE ``LayerNormLinear``), ``fused`` further ``Linear`` s whose
     weights are concatenated to this one's output (Megatron's one ``linear_fc1`` for w1 and
     w3). Other profiles run ``F.linear`` on ``x`` and take no extra arguments.
+
+    ``group`` (``modeling.parallel.groups.ParamGroup``) is the weight's declared group, set
+    here where the weight is made (a column-parallel weight ``(out / TP, in)`` has ``tp_dim``
+    0, a row-parallel one 1, a duplicated one None); a bias follows a column-parallel weight
+    and is replicated otherwise (Megatron-Core's ``RowParallelLinear`` bias).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 kernels=None):
+                 kernels=None, group: ParamGroup | None = None):
         super().__init__(in_features, out_features, bias=bias)
         self.kernels = kernels
+        if group is not None:
+            declare_module(self, group, bias=group if group.tp_dim == 0 else replicated(
+                group.component, group.kind))
 
     def reset_parameters(self) -> None:
         """Values are not set here; see the module docstring."""

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from modeling.kernels import KernelProfile, get_profile
 from modeling.common.linear import Linear
 from modeling.parallel.collectives import all_gather, reduce_scatter
+from modeling.parallel.groups import ParamGroup
 
 __all__ = ["MLP"]
 
@@ -26,18 +27,27 @@ class MLP(nn.Module):
     Under ``megatron-te`` the forward is Megatron-Core's ``MLP`` (megatron/core/transformer/
     mlp.py): one fused ``linear_fc1`` over [w1; w3] (output ``(..., 2 * inter)``), the fused
     SwiGLU, ``linear_fc2``; ``norm`` fuses the pre-MLP RMSNorm into fc1 (the dense layers'
-    ``TELayerNormColumnParallelLinear``)."""
+    ``TELayerNormColumnParallelLinear``).
+
+    Groups (``modeling.parallel.groups``), declared here: ``component`` (default "dense_mlp";
+    "shared_experts", "routed_experts"), ``kind`` "dense" or "expert", ``ep`` (a routed expert,
+    one of the rank's E / EP), ``split``: w1 / w3 column-parallel and w2 row-parallel over TP
+    (ETP for a routed expert), or, False, replicated (arXiv 2502.07846's shared expert)."""
 
     def __init__(self, dim: int, inter_dim: int, sp: int = 1,
-                 kernels: KernelProfile | None = None, shared_overlap: bool = False):
+                 kernels: KernelProfile | None = None, shared_overlap: bool = False, *,
+                 component: str = "dense_mlp", kind: str = "dense", ep: bool = False,
+                 split: bool = True):
         super().__init__()
         self.sp = sp
         self.kernels = kernels or get_profile("eager")
         self.shared_overlap = shared_overlap
         kern = self.kernels
-        self.w1 = Linear(dim, inter_dim, bias=False, kernels=kern)  # gate projection
-        self.w2 = Linear(inter_dim, dim, bias=False, kernels=kern)  # down projection
-        self.w3 = Linear(dim, inter_dim, bias=False, kernels=kern)  # up projection
+        fc1 = ParamGroup(component, kind, 0 if split else None, ep)
+        fc2 = ParamGroup(component, kind, 1 if split else None, ep)
+        self.w1 = Linear(dim, inter_dim, bias=False, kernels=kern, group=fc1)  # gate projection
+        self.w2 = Linear(inter_dim, dim, bias=False, kernels=kern, group=fc2)  # down projection
+        self.w3 = Linear(dim, inter_dim, bias=False, kernels=kern, group=fc1)  # up projection
 
     def forward(self, x: Tensor, norm: nn.RMSNorm | None = None) -> Tensor:
         if self.kernels.orchestration == "megatron":

@@ -14,6 +14,13 @@ from modeling.kernels import KernelProfile, get_profile
 from modeling.common.linear import Linear
 from modeling.common.norm import RMSNorm
 from modeling.parallel.collectives import all_gather, reduce_scatter
+from modeling.parallel.groups import (
+    column,
+    declare_fsdp_unit,
+    declare_module,
+    replicated,
+    set_component,
+)
 from modeling.parallel.plans import LocalSizes
 from modeling.common.routing import RoutingModel
 from tracemem.errors import TracememError
@@ -37,11 +44,15 @@ class MTPModule(nn.Module):
         self.sizes = sizes
         self.kernels = kernels = kernels or get_profile("eager")
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.enorm = RMSNorm(h, eps=eps, kernels=kernels)
-        self.hnorm = RMSNorm(h, eps=eps, kernels=kernels)
-        self.eh_proj = Linear(2 * h, sizes.eh_proj_out, bias=False, kernels=kernels)
+        # counted apart from the main model: the projection and its norms, and the layer
+        norm = replicated("mtp_projection")
+        self.enorm = RMSNorm(h, eps=eps, kernels=kernels, group=norm)
+        self.hnorm = RMSNorm(h, eps=eps, kernels=kernels, group=norm)
+        self.eh_proj = Linear(2 * h, sizes.eh_proj_out, bias=False, kernels=kernels,
+                              group=column("mtp_projection"))
         self.block = Block(layer_id, cfg, attention, experts, sizes, kernels)
-        self.norm = RMSNorm(h, eps=eps, kernels=kernels)
+        set_component(self.block, "mtp_layer")
+        self.norm = RMSNorm(h, eps=eps, kernels=kernels, group=norm)
 
     def forward(self, hidden: Tensor, embedded: Tensor, routing: RoutingModel) -> Tensor:
         """``hidden``, ``embedded``: this rank's tokens ``(b, s_local, h)``."""
@@ -72,6 +83,10 @@ class Transformer(nn.Module):
         post_process: holds the final norm, head, loss and MTP modules (the last stage); with
             MTP it also holds an embedding, as Megatron-Core's MTP stage does.
 
+    Each parameter declares its group where it is made (``modeling.parallel.groups``); the
+    embedding (vocabulary split over TP, dim 0), each decoder layer, each MTP module and the
+    head are declared ZeRO-3 / FSDP units here.
+
     Tokens and labels are ``(b, s)`` int64. MTP depth k predicts the token k positions further:
     its inputs are the tokens and labels rolled left by k (same length s, as Megatron-LM does).
     """
@@ -87,17 +102,21 @@ class Transformer(nn.Module):
         self.chunks = chunks if chunks is not None else [list(range(cfg.num_layers))]
         self.pre_process, self.post_process = pre_process, post_process
         has_mtp = post_process and cfg.num_mtp_modules > 0
-        self.embed = (nn.Embedding(sizes.vocab, cfg.hidden_size)
-                      if pre_process or has_mtp else None)
-        self.layers = nn.ModuleDict({str(i): Block(i, cfg, attention, experts, sizes, kernels)
-                                     for chunk in self.chunks for i in chunk})
+        self.embed = (declare_fsdp_unit(declare_module(
+            nn.Embedding(sizes.vocab, cfg.hidden_size), column("embedding")))
+            if pre_process or has_mtp else None)  # VocabParallelEmbedding: vocab split
+        self.layers = nn.ModuleDict({
+            str(i): declare_fsdp_unit(Block(i, cfg, attention, experts, sizes, kernels))
+            for chunk in self.chunks for i in chunk})
         if post_process:
             self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, kernels=kernels)
-            self.head = Linear(cfg.hidden_size, sizes.vocab, bias=False, kernels=kernels)
+            self.head = declare_fsdp_unit(Linear(cfg.hidden_size, sizes.vocab, bias=False,
+                                                 kernels=kernels, group=column("output_head")))
             if cfg.tie_word_embeddings and self.embed is not None:
                 self.head.weight = self.embed.weight
             self.mtp = nn.ModuleDict({
-                str(i): MTPModule(cfg.num_layers + i, cfg, attention, experts, sizes, kernels)
+                str(i): declare_fsdp_unit(MTPModule(cfg.num_layers + i, cfg, attention,
+                                                    experts, sizes, kernels))
                 for i in range(cfg.num_mtp_modules)})
 
     def _embed(self, tokens: Tensor) -> Tensor:

@@ -18,6 +18,7 @@ from modeling.kernels import KernelProfile, get_profile
 from modeling.common.mlp import MLP
 from modeling.parallel.collectives import all_gather, all_to_all, reduce_scatter
 from modeling.common.routing import RoutingModel
+from modeling.parallel.groups import declare, declare_module, expert, replicated
 from tracemem.errors import TracememError
 
 __all__ = ["Gate", "GroupedExperts", "MoE", "EXPERT_KERNELS"]
@@ -42,6 +43,8 @@ class Gate(nn.Module):
         if cfg.has_correction_bias:
             self.register_buffer("e_score_correction_bias",
                                  torch.zeros(cfg.num_routed_experts, dtype=torch.float32))
+        # Megatron-Core's TopKRouter: weight and expert bias replicated, dense (allreduce)
+        declare_module(self, replicated("router"))
 
     def forward(self, x: Tensor, kernels: KernelProfile | None = None) -> tuple[Tensor, Tensor]:
         cfg = self.cfg
@@ -83,9 +86,11 @@ class GroupedExperts(nn.Module):
                  kernels: KernelProfile | None = None):
         super().__init__()
         self.kernels = kernels
-        self.w1 = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter_dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
+        # EP-sharded (dim 0: the local experts); ETP splits fc1's output, fc2's input
+        fc1, fc2 = expert(tp_dim=1), expert(tp_dim=2)
+        self.w1 = declare(nn.Parameter(torch.empty(num_experts, inter_dim, dim)), fc1)
+        self.w2 = declare(nn.Parameter(torch.empty(num_experts, dim, inter_dim)), fc2)
+        self.w3 = declare(nn.Parameter(torch.empty(num_experts, inter_dim, dim)), fc1)
 
     def forward(self, x: Tensor, counts: list[int], probs: Tensor | None = None) -> Tensor:
         """``x`` ``(rows, h)`` sorted by expert, ``counts`` rows per local expert; under a
@@ -138,6 +143,8 @@ class MoE(nn.Module):
             reduce-scattered after.
         shared_sp: the shared experts' sequence-parallel degree (they are TP-split and gather
             the sequence), 1 when they are replicated.
+        shared_split, shared_kind: the shared experts are split over TP (else replicated),
+            and their ZeRO group ("dense": DP x CP; "expert": EDP, arXiv 2502.07846's plan).
         kernels: the ``modeling.kernels`` profile. Under ``megatron-te`` the forward is
             Megatron-Core's ``MoELayer`` with the alltoall dispatcher (megatron/core/
             transformer/moe/moe_layer.py, token_dispatcher.py ``MoEAlltoAllTokenDispatcher``,
@@ -161,7 +168,8 @@ class MoE(nn.Module):
                  expert_ids: range | None = None, layer_id: int = 0,
                  expert_inter: int | None = None, shared_inter: int | None = None,
                  ep: int = 1, etp: int = 1, shared_sp: int = 1,
-                 kernels: KernelProfile | None = None):
+                 kernels: KernelProfile | None = None, shared_split: bool = True,
+                 shared_kind: str = "dense"):
         super().__init__()
         self.kernels = kernels or get_profile("eager")
         if experts not in EXPERT_KERNELS:
@@ -179,10 +187,13 @@ class MoE(nn.Module):
         if experts == "grouped":
             self.experts = GroupedExperts(n, h, inter, self.kernels)
         else:
-            self.experts = nn.ModuleList(MLP(h, inter) for _ in range(n))
+            self.experts = nn.ModuleList(MLP(h, inter, component="routed_experts",
+                                             kind="expert", ep=True) for _ in range(n))
         overlap = (self.kernels.orchestration == "megatron"
                    and self.kernels.options["moe_shared_expert_overlap"])
-        self.shared_experts = (MLP(h, shared, shared_sp, self.kernels, overlap)
+        self.shared_experts = (MLP(h, shared, shared_sp, self.kernels, overlap,
+                                   component="shared_experts", kind=shared_kind,
+                                   split=shared_split)
                                if shared else None)
 
     def forward(self, x: Tensor, routing: RoutingModel) -> Tensor:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LocalSizes", "local_sizes", "is_expert_param", "PLAN_TABLE", "padded_vocab"]
+__all__ = ["LocalSizes", "local_sizes", "PLAN_TABLE", "padded_vocab"]
 
 # Megatron's default --make-vocab-size-divisible-by.
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
@@ -58,6 +58,8 @@ class LocalSizes:
         cp, ep, etp: context-, expert- and expert-tensor-parallel degrees. They decide which
             collectives the forward runs (``modeling.parallel.collectives``).
         shared_split: the shared experts are split over TP (so they gather the sequence).
+        shared_kind: the shared experts' ZeRO group, "dense" (DP x CP) or "expert" (EDP);
+            the modules declare it on their parameters (``modeling.parallel.groups``).
     """
 
     num_heads: int
@@ -74,6 +76,7 @@ class LocalSizes:
     ep: int = 1
     etp: int = 1
     shared_split: bool = True
+    shared_kind: str = "dense"
 
     @classmethod
     def full(cls, cfg) -> LocalSizes:
@@ -107,17 +110,8 @@ def local_sizes(cfg, par, ep_rank: int = 0) -> LocalSizes:
         eh_proj_out=cfg.hidden_size // par.tp,
         replicate_q_rope=paper,
         tp=par.tp, sp=par.tp if par.sp else 1, cp=par.cp, ep=par.ep, etp=par.etp,
-        shared_split=not paper,
+        shared_split=not paper, shared_kind="expert" if paper else "dense",
     )
-
-
-def is_expert_param(name: str, plan: str) -> bool:
-    """Whether parameter ``name`` is sharded by ZeRO over EDP (else over DP): the routed experts;
-    under the paper's plan also the shared experts."""
-    parts = name.split(".")
-    if "experts" in parts:
-        return True
-    return plan == "paper-2502.07846" and "shared_experts" in parts
 
 
 # module -> (megatron, paper-2502.07846), for docs/parallel.md and `tracemem static --help`.

@@ -17,6 +17,7 @@ from modeling.kernels import KernelProfile, get_profile
 from modeling.common.linear import Linear
 from modeling.common.norm import RMSNorm
 from modeling.parallel.collectives import all_gather, reduce_scatter
+from modeling.parallel.groups import column, replicated, row
 from tracemem.errors import TracememError
 
 __all__ = ["MLA", "ATTENTION_KERNELS", "apply_rope"]
@@ -98,20 +99,25 @@ class MLA(nn.Module):
         self.replicate_q_rope = replicate_q_rope
         q_head = self.nope_dim if replicate_q_rope else self.qk_head_dim
         kern = self.kernels
+        # groups (modeling.parallel.plans' docstring): down projections duplicated, up
+        # projections column-parallel, wo row-parallel
+        dup, col, rw = replicated("attention"), column("attention"), row("attention")
         if cfg.q_lora_rank is None:
-            self.wq = Linear(h, n * q_head, bias=False, kernels=kern)
+            self.wq = Linear(h, n * q_head, bias=False, kernels=kern, group=col)
         else:
-            self.wq_a = Linear(h, cfg.q_lora_rank, bias=False, kernels=kern)
+            self.wq_a = Linear(h, cfg.q_lora_rank, bias=False, kernels=kern, group=dup)
             self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, kernels=kern)
-            self.wq_b = Linear(cfg.q_lora_rank, n * q_head, bias=False, kernels=kern)
+            self.wq_b = Linear(cfg.q_lora_rank, n * q_head, bias=False, kernels=kern,
+                               group=col)
         if replicate_q_rope:
             self.wq_r = Linear(cfg.q_lora_rank or h, cfg.num_attention_heads * self.rope_dim,
-                               bias=False)
-        self.wkv_a = Linear(h, self.kv_lora_rank + self.rope_dim, bias=False, kernels=kern)
+                               bias=False, group=dup)
+        self.wkv_a = Linear(h, self.kv_lora_rank + self.rope_dim, bias=False, kernels=kern,
+                            group=dup)
         self.kv_norm = RMSNorm(self.kv_lora_rank, eps=cfg.rms_norm_eps, kernels=kern)
         self.wkv_b = Linear(self.kv_lora_rank, n * (self.nope_dim + self.v_head_dim),
-                            bias=False, kernels=kern)
-        self.wo = Linear(n * self.v_head_dim, h, bias=False, kernels=kern)
+                            bias=False, kernels=kern, group=col)
+        self.wo = Linear(n * self.v_head_dim, h, bias=False, kernels=kern, group=rw)
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, self.rope_dim, 2, dtype=torch.float32)
                                       / self.rope_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (d_r / 2,)
