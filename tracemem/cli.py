@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flag(params)
     params.add_argument("--json", action="store_true",
                         help="print JSON (element counts) instead of a table")
+    _add_replace_flag(params)
 
     est = sub.add_parser(
         "estimate", help="peak memory of every distinct rank of a training job: trace one rank "
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "estimates) and print each one's worst peak")
     _add_units_flag(est)
     est.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    _add_replace_flag(est)
 
     inv = sub.add_parser(
         "inventory", help="every tensor one decoder layer (or the embedding / loss end) keeps "
@@ -220,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "zbv / dualpipev the first and last chunk on rank 0 (default 1f1b)")
     static.add_argument("--json", action="store_true",
                         help="print JSON (every figure in bytes or elements) instead")
+    _add_replace_flag(static)
 
     validate = sub.add_parser(
         "validate", help="run the validation cases for real on CPU under torch.profiler and "
@@ -270,6 +273,14 @@ def _kernel_options(args: argparse.Namespace) -> dict:
     options = {"te_version": args.te_version,
                "moe_shared_expert_overlap": args.shared_expert_overlap}
     return {key: value for key, value in options.items() if value is not None}
+
+
+def _add_replace_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replace", action="append", default=None, metavar="KIND=MODULE:NAME",
+                        help="your own layer for every layer the model builds: KIND attn, mlp "
+                             "(dense FFN) or block, MODULE a dotted module or a .py file, NAME "
+                             "its class or factory (modeling.common.custom; repeatable; "
+                             "docs/modified-architectures.md)")
 
 
 def _add_model_flag(parser: argparse.ArgumentParser) -> None:
@@ -417,7 +428,7 @@ def _run_params(args: argparse.Namespace) -> str:
     from modeling.params import count_activated, count_by_component, count_total
 
     cfg = load_config(args.model)
-    model = build_model(cfg, "meta")
+    model = build_model(cfg, "meta", replace=args.replace)
     result = {
         "model": cfg.name,
         "total": count_total(model, include_mtp=False),
@@ -459,6 +470,7 @@ def _run_estimate(args: argparse.Namespace) -> str:
         optimizer=args.optimizer,
         kernels=args.kernels, kernel_options=_kernel_options(args),
         alloc_conf=args.alloc_conf, snapshot=args.snapshot, plot=args.plot,
+        replace=args.replace,
         **({} if args.non_pytorch_memory is None else
            {"non_pytorch_memory": args.non_pytorch_memory}), **_layout_kwargs(args))
     result = estimate(args.model, **estimate_kwargs)
@@ -571,7 +583,8 @@ def _run_static(args: argparse.Namespace) -> str:
     stages = []
     for stage in range(par.pp):
         rank = stage * (par.world_size // par.pp)  # TP, DP and EP ranks are alike here
-        memory = static_memory(build_rank(cfg, par, rank, placement=where), par)
+        memory = static_memory(build_rank(cfg, par, rank, placement=where,
+                                          replace=args.replace), par)
         stages.append({
             "pp_stage": stage,
             "layers": [layer for chunk in par.layers_of_stage(stage, where) for layer in chunk],

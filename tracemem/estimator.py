@@ -36,6 +36,7 @@ import torch
 
 from modeling.common.block import Block
 from modeling import ModelConfig, load_config
+from modeling.common.custom import CustomBlock, resolve_replacements
 from modeling.kernels import KernelProfile, get_profile
 from modeling.parallel.build import build_rank, coordinates
 from modeling.parallel.pp import (
@@ -218,14 +219,14 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
                 rounding: int | None, kernels: KernelProfile | str = "eager",
                 zero3_prefetch: bool = True, where: Placement | None = None,
                 kinds: frozenset[str] = frozenset("B"),
-                optimizer: str = "fused") -> tuple[object, Segments]:
+                optimizer: str = "fused", replace=None) -> tuple[object, Segments]:
     """``kinds``: "B" traces forwards with full backwards, "I" forwards with split ones."""
     model = build_rank(cfg, par, rank, attention=attention, experts=experts,
-                       dtype=torch.bfloat16, kernels=kernels, placement=where)
+                       dtype=torch.bfloat16, kernels=kernels, placement=where, replace=replace)
     # ZeRO-3: every unit's all-gathers are traced events (tracemem.zero3)
     gathers = Zero3Gathers(zero3_prefetch).install(model) if par.zero == 3 else None
     for module in model.modules():
-        if isinstance(module, Block):
+        if isinstance(module, (Block, CustomBlock)):
             module.set_recompute(recompute, recompute_modules)
     if recompute == "full":
         apply_recompute_method(model, *recompute_method)
@@ -485,7 +486,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
              kernel_options: dict | None = None, alloc_conf: str | None = None,
              non_pytorch_memory: str = NON_PYTORCH_MEMORY_DEFAULT, snapshot: str | None = None,
              plot: str | None = None, optimizer: str = "fused",
-             max_ep_classes: int = MAX_EP_CLASSES, **layout) -> Estimate:
+             max_ep_classes: int = MAX_EP_CLASSES, replace=None, **layout) -> Estimate:
     """Peak memory of every distinct rank.
 
     Args:
@@ -524,6 +525,12 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
         plot: a .png or .svg file to draw every rank class's memory over the step into.
         optimizer: the step's Adam: "fused" (Megatron's TE / apex FusedAdam, the default) or
             "torch" (``torch.optim.Adam``, foreach); ``tracemem.optimizer_step``.
+        replace: the user's own layers (``modeling.common.custom.resolve_replacements``): a dict
+            ``{"attn" | "mlp" | "block": class or factory or "pkg.mod:Name"}`` or a list of
+            "kind=pkg.mod:Name" strings (``--replace``); their parameters are sharded by the
+            groups they declare (``modeling.parallel.groups``). An op in them that needs
+            tensor values raises ``DataDependentOpError``, one with no meta kernel
+            ``MissingMetaKernelError`` (``tracemem.errors``).
 
     Raises:
         TracememError: any invalid input, with the flag, the value and a fix.
@@ -577,6 +584,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
         check_plot_path(plot)
     routing_model = parse_routing(routing, seed)
     _check_counts_cover(cfg, routing_model)
+    replacements = resolve_replacements(replace)
     steps_by_rank = schedule(schedule_name, par.pp, par.vpp, num_microbatches)
     where = placement(schedule_name, par.pp, par.vpp, num_microbatches)
     if any(s.kind == "W" for steps in steps_by_rank for s in steps):
@@ -625,7 +633,7 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                 recompute_method=(recompute_method, recompute_num_layers),
                 deallocate=deallocate_pipeline_outputs, rounding=rounding,
                 zero3_prefetch=zero3_prefetch, kernels=profile, where=where, kinds=kinds,
-                optimizer=optimizer)
+                optimizer=optimizer, replace=replacements)
             cache[signature] = (static_memory(model_obj, par), segments)
         static, segments = cache[signature]
         steps = steps_by_rank[stage]
@@ -683,7 +691,9 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                 "kernel_options": dict(profile.options),
                 "deallocate_pipeline_outputs": deallocate_pipeline_outputs,
                 "zero3_prefetch": zero3_prefetch, "alloc_conf": alloc_config.text,
-                "non_pytorch_memory_bytes": outside, "optimizer": optimizer}
+                "non_pytorch_memory_bytes": outside, "optimizer": optimizer,
+                "replace": {kind: getattr(f, "__qualname__", repr(f))
+                            for kind, f in replacements.items()}}
     if plot is not None:
         plot_timelines([r.memory for r in results], plot, hbm_bytes=hbm_bytes,
                        usable_bytes=capacity,

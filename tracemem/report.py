@@ -373,7 +373,9 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
             f"EDP {par.edp}), ZeRO-{par.zero}, {par.precision}; b={st['micro_batch_size']}, "
             f"s={st['seq_length']}, M={st['num_microbatches']}, {st['schedule']}, kernels "
             f"{st.get('kernels', 'eager')}, recompute "
-            f"{st['recompute']}, {st['attention']} attention, routing {st['routing']}")
+            f"{st['recompute']}, {st['attention']} attention, routing {st['routing']}"
+            + "".join(f", {kind} replaced by {name}"
+                      for kind, name in st.get("replace", {}).items()))
     table = tabulate(rows, headers=headers, disable_numparse=True,
                      colalign=("right",) * len(headers))
     worst = result.worst

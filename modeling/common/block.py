@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from modeling.families.deepseek.config import ModelConfig
+from modeling.common.custom import LayerContext, Replacements, build_replacement
 from modeling.kernels import KernelProfile, get_profile
 from modeling.common.attention.mla import MLA
 from modeling.common.mlp import MLP
@@ -32,25 +33,36 @@ class Block(nn.Module):
     the ``kernels`` profile (``modeling.kernels``; default eager). Under ``megatron-te`` the
     dense layers fuse the pre-MLP RMSNorm into fc1 (Megatron-Core's TE spec: ``pre_mlp_layernorm``
     is ``IdentityOp`` for dense layers, megatron/core/models/gpt/gpt_layer_specs.py).
-    Input and output ``(b, s, h)``."""
+    Input and output ``(b, s, h)``. ``replace`` (``modeling.common.custom``): the user's factories
+    for "attn" and "mlp" (the dense FFN), called with a ``LayerContext`` (``rank``: this
+    rank's coordinates, or None)."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig, attention: str = "flash",
                  experts: str = "grouped", sizes: LocalSizes | None = None,
-                 kernels: KernelProfile | None = None):
+                 kernels: KernelProfile | None = None, replace: Replacements | None = None,
+                 rank=None):
         super().__init__()
         sizes = sizes or LocalSizes.full(cfg)
         self.kernels = kernels = kernels or get_profile("eager")
         self.layer_id = layer_id
         self.recompute, self.recompute_modules = "none", frozenset()
+        replace = replace or {}
+        ctx = LayerContext(cfg, layer_id, sizes, kernels, attention, cfg.is_moe_layer(layer_id),
+                           rank)
         self.attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, kernels=kernels)
-        self.attn = MLA(cfg, attention, sizes.num_heads, sizes.replicate_q_rope, sizes.sp,
-                        sizes.cp, kernels)
+        if "attn" in replace:
+            self.attn = build_replacement(replace["attn"], "attn", ctx)
+        else:
+            self.attn = MLA(cfg, attention, sizes.num_heads, sizes.replicate_q_rope, sizes.sp,
+                            sizes.cp, kernels)
         self.ffn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, kernels=kernels)
         if cfg.is_moe_layer(layer_id):
             self.ffn = MoE(cfg, experts, sizes.expert_ids, layer_id, sizes.expert_inter,
                            sizes.shared_inter, sizes.ep, sizes.etp,
                            shared_sp=sizes.sp if sizes.shared_split else 1, kernels=kernels,
                            shared_split=sizes.shared_split, shared_kind=sizes.shared_kind)
+        elif "mlp" in replace:
+            self.ffn = build_replacement(replace["mlp"], "mlp", ctx)
         else:
             self.ffn = MLP(cfg.hidden_size, sizes.dense_inter, sizes.sp, kernels)
 
@@ -80,7 +92,7 @@ class Block(nn.Module):
 
     def _forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
         x = x + self.attn(self._norm(self.attn_norm, x))
-        if self.kernels.orchestration == "megatron" and not isinstance(self.ffn, MoE):
+        if self.kernels.orchestration == "megatron" and isinstance(self.ffn, MLP):
             run = lambda x: self.ffn(x, self.ffn_norm)  # noqa: E731  (norm fused into fc1)
             if "mlp" in self.recompute_modules:
                 return x + checkpoint(run, x, use_reentrant=False)

@@ -10,6 +10,13 @@ from torch import Tensor, nn
 
 from modeling.common.block import Block
 from modeling.families.deepseek.config import ModelConfig
+from modeling.common.custom import (
+    CustomBlock,
+    LayerContext,
+    Replacements,
+    build_replacement,
+    resolve_replacements,
+)
 from modeling.kernels import KernelProfile, get_profile
 from modeling.common.linear import Linear
 from modeling.common.norm import RMSNorm
@@ -39,7 +46,8 @@ class MTPModule(nn.Module):
     ``shared_head.norm``); the embedding and output head are the main model's."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig, attention: str, experts: str,
-                 sizes: LocalSizes, kernels: KernelProfile | None = None):
+                 sizes: LocalSizes, kernels: KernelProfile | None = None,
+                 replace: Replacements | None = None, rank=None):
         super().__init__()
         self.sizes = sizes
         self.kernels = kernels = kernels or get_profile("eager")
@@ -50,7 +58,7 @@ class MTPModule(nn.Module):
         self.hnorm = RMSNorm(h, eps=eps, kernels=kernels, group=norm)
         self.eh_proj = Linear(2 * h, sizes.eh_proj_out, bias=False, kernels=kernels,
                               group=column("mtp_projection"))
-        self.block = Block(layer_id, cfg, attention, experts, sizes, kernels)
+        self.block = _layer(layer_id, cfg, attention, experts, sizes, kernels, replace, rank)
         set_component(self.block, "mtp_layer")
         self.norm = RMSNorm(h, eps=eps, kernels=kernels, group=norm)
 
@@ -82,6 +90,8 @@ class Transformer(nn.Module):
         pre_process: holds the embedding (the first stage).
         post_process: holds the final norm, head, loss and MTP modules (the last stage); with
             MTP it also holds an embedding, as Megatron-Core's MTP stage does.
+        replace: the user's own layers (``modeling.common.custom``: "attn", "mlp" or "block"
+            factories, resolved); ``rank``: this rank's coordinates, passed to them.
 
     Each parameter declares its group where it is made (``modeling.parallel.groups``); the
     embedding (vocabulary split over TP, dim 0), each decoder layer, each MTP module and the
@@ -94,7 +104,8 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, attention: str = "flash", experts: str = "grouped",
                  sizes: LocalSizes | None = None, chunks: list[list[int]] | None = None,
                  pre_process: bool = True, post_process: bool = True,
-                 kernels: KernelProfile | None = None):
+                 kernels: KernelProfile | None = None, replace: Replacements | None = None,
+                 rank=None):
         super().__init__()
         sizes = sizes or LocalSizes.full(cfg)
         self.kernels = kernels = kernels or get_profile("eager")
@@ -106,7 +117,8 @@ class Transformer(nn.Module):
             nn.Embedding(sizes.vocab, cfg.hidden_size), column("embedding")))
             if pre_process or has_mtp else None)  # VocabParallelEmbedding: vocab split
         self.layers = nn.ModuleDict({
-            str(i): declare_fsdp_unit(Block(i, cfg, attention, experts, sizes, kernels))
+            str(i): declare_fsdp_unit(_layer(i, cfg, attention, experts, sizes, kernels,
+                                             replace, rank))
             for chunk in self.chunks for i in chunk})
         if post_process:
             self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, kernels=kernels)
@@ -116,7 +128,7 @@ class Transformer(nn.Module):
                 self.head.weight = self.embed.weight
             self.mtp = nn.ModuleDict({
                 str(i): declare_fsdp_unit(MTPModule(cfg.num_layers + i, cfg, attention,
-                                                    experts, sizes, kernels))
+                                                    experts, sizes, kernels, replace, rank))
                 for i in range(cfg.num_mtp_modules)})
 
     def _embed(self, tokens: Tensor) -> Tensor:
@@ -152,26 +164,41 @@ class Transformer(nn.Module):
         return loss
 
 
+def _layer(layer_id: int, cfg: ModelConfig, attention: str, experts: str, sizes: LocalSizes,
+           kernels: KernelProfile, replace: Replacements | None, rank) -> nn.Module:
+    """Decoder layer ``layer_id``: a ``Block``, or the user's (``replace["block"]``) held in
+    a ``CustomBlock``."""
+    if replace and "block" in replace:
+        ctx = LayerContext(cfg, layer_id, sizes, kernels, attention,
+                           cfg.is_moe_layer(layer_id), rank)
+        return CustomBlock(build_replacement(replace["block"], "block", ctx), layer_id)
+    return Block(layer_id, cfg, attention, experts, sizes, kernels, replace, rank)
+
+
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta", *,
                 attention: str = "flash", experts: str = "auto",
                 dtype: torch.dtype | None = None,
-                kernels: str | KernelProfile = "eager") -> Transformer:
+                kernels: str | KernelProfile = "eager", replace=None) -> Transformer:
     """``Transformer(cfg)`` built directly on ``device``, its parameters in ``dtype`` (default
     the config's ``torch_dtype``); buffers (the router's correction bias, RoPE frequencies)
     stay float32, as in DeepSeek-V3's reference model. ``experts="auto"`` is "grouped" for
     bfloat16 parameters and "sequential" otherwise (see ``resolve_experts``). ``kernels``: a
     ``modeling.kernels`` profile or its name (default "eager", the kernels that run for real
-    on a CPU).
+    on a CPU). ``replace``: the user's own layers (``modeling.common.custom.resolve_replacements``:
+    a dict of "attn" / "mlp" / "block" to a class, factory or "pkg.mod:Name", or a list of
+    "kind=pkg.mod:Name" strings).
 
     Raises:
         TracememError: ``experts="grouped"`` with parameters that are not bfloat16; an
-            unknown kernel profile.
+            unknown kernel profile; a bad ``replace``.
     """
     dtype = dtype or getattr(torch, cfg.dtype)
     profile = get_profile(kernels)
+    replacements = resolve_replacements(replace)
     with torch.device(device):
         model = Transformer(cfg, attention, resolve_experts(
-            experts, dtype, (cfg.hidden_size, cfg.moe_intermediate_size)), kernels=profile)
+            experts, dtype, (cfg.hidden_size, cfg.moe_intermediate_size)), kernels=profile,
+            replace=replacements)
     cast_parameters(model, dtype)
     return model
 
