@@ -175,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--quiet", action="store_true", help="no progress on stderr")
     _add_replace_flag(est)
 
+    _add_fit_parser(sub)
     inv = sub.add_parser(
         "inventory", help="every tensor one decoder layer (or the embedding / loss end) keeps "
                           "from forward to backward under a kernel profile, with its source")
@@ -488,6 +489,126 @@ def _run_estimate(args: argparse.Namespace) -> str:
     return format_estimate(result, units=args.units, fits=fits)
 
 
+def _add_fit_parser(sub) -> None:
+    """``tracemem fit``: the search-space flags take comma-separated values."""
+    from tracemem.fit import DEFAULT_CLOSEST, ENGINES, PP_ENDS, SearchSpace
+
+    d = SearchSpace()
+
+    def default(name):
+        value = getattr(d, name)
+        if name == "sp":
+            return ",".join("on" if v else "off" for v in value)
+        return ",".join(str(v) for v in value)
+
+    fit = sub.add_parser(
+        "fit", help="every valid layout of a model on N GPUs, estimated; those that fit in "
+                    "--hbm ranked by a stated cost model, and the closest that do not",
+        description="Enumerate every valid layout in the search space (ParallelConfig's and "
+                    "the schedule's rules; M = global batch / (b x DP)), estimate each "
+                    "(traces shared by rank-class signature), and print those that fit in "
+                    "--hbm ranked by pipeline bubble, then TP + EP + CP bytes per step "
+                    "(tracemem/formulas/cost.py), and the closest that do not fit. The "
+                    "defaults of the search space suit a DeepSeek-V3-class MoE on 1,024-2,048 "
+                    "GPUs (96 layouts for DeepSeek-V3 on 2,048 GPUs).")
+    _add_model_flag(fit)
+    job = fit.add_argument_group("job")
+    job.add_argument("--world-size", type=int, required=True, help="number of GPUs N")
+    job.add_argument("--hbm", required=True, help="device memory per GPU, e.g. 80GiB")
+    job.add_argument("--seq-length", type=int, required=True, help="sequence length s")
+    job.add_argument("--global-batch-size", type=int, required=True,
+                     help="sequences per step G; M = G / (b x DP) must be an integer "
+                          "(Megatron-LM's rule)")
+    space = fit.add_argument_group(
+        "search space (comma-separated values; each restricts one dimension)")
+    for flag, name, what in (
+            ("--tp", "tp", "tensor-parallel degrees"),
+            ("--sp", "sp", "sequence parallelism where TP > 1: on, off or on,off"),
+            ("--cp", "cp", "context-parallel degrees"),
+            ("--ep", "ep", "expert-parallel degrees"),
+            ("--etp", "etp", "expert tensor-parallel degrees"),
+            ("--pp", "pp", "pipeline stages"),
+            ("--vpp", "vpp", "model chunks per pipeline rank"),
+            ("--micro-batch-size", "micro_batch_size", "micro-batch sizes b"),
+            ("--recompute", "recompute", "recompute modes: none, selective, full"),
+            ("--zero", "zero", "ZeRO stages 0-3"),
+            ("--schedule", "schedule", "pipeline schedules")):
+        space.add_argument(flag, dest=f"space_{name}", default=None, metavar="LIST",
+                           help=f"{what} (default {default(name)})")
+    space.add_argument("--pp-ends", choices=PP_ENDS, default=None,
+                       help="which uneven layer layouts (Megatron's --decoder-first/last-"
+                            "pipeline-num-layers) to try when pp x vpp does not divide the "
+                            "layers: suggested (one: balanced, fewest layers last; 4 and 1 for "
+                            "DeepSeek-V3 on 16 stages), balanced (ends no larger than a middle "
+                            "stage) or all (default suggested)")
+    step = fit.add_argument_group("every layout's settings")
+    step.add_argument("--attention", default="flash", help="attention kernel (default flash)")
+    _add_kernel_flags(step)
+    step.add_argument("--precision", default="megatron",
+                      help="precision recipe (default megatron)")
+    step.add_argument("--non-pytorch-memory", default=None, metavar="SIZE",
+                      help="device memory outside PyTorch's allocator, added to each reserved "
+                           "peak (default 512MiB, as tracemem estimate)")
+    step.add_argument("--alloc-conf", default=None, metavar="SETTINGS",
+                      help="PYTORCH_CUDA_ALLOC_CONF settings of the simulated allocator")
+    run = fit.add_argument_group("run")
+    run.add_argument("--workers", type=int, default=None,
+                     help="local worker processes (default: every core); 1 runs in this "
+                          "process")
+    run.add_argument("--engine", choices=ENGINES, default="local",
+                     help="local (worker processes) or ray (tasks on a Ray cluster; pip "
+                          "install 'tracemem[ray]') (default local)")
+    run.add_argument("--address", default=None,
+                     help="--engine ray: the cluster's address (auto: the running one; "
+                          "default: start a local Ray instance)")
+    run.add_argument("--cache-dir", default=None, metavar="DIR",
+                     help="keep rank-class traces on disk in DIR, keyed by their signature "
+                          "and the tracemem and torch versions; a later run reuses them")
+    run.add_argument("--closest", type=int, default=DEFAULT_CLOSEST,
+                     help="how many layouts that do not fit to estimate in full, to say by "
+                          "how much (default %(default)s)")
+    run.add_argument("--top", type=int, default=20,
+                     help="fitting layouts printed (default 20; --json / --csv give all)")
+    out = fit.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="every row as JSON, bytes as int")
+    out.add_argument("--csv", action="store_true", help="every row as CSV, bytes as int")
+    fit.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+
+
+def _run_fit(args: argparse.Namespace) -> str:
+    from tracemem.estimator import stderr_progress
+    from tracemem.fit import fit, format_fit, format_fit_csv, format_fit_json, search_space
+
+    space = search_space(pp_ends=args.pp_ends, **{
+        name[len("space_"):]: value for name, value in vars(args).items()
+        if name.startswith("space_")})
+    show = stderr_progress(args.quiet)
+
+    def progress(p: dict) -> None:
+        eta = "" if p["eta_s"] is None else f", ETA {int(p['eta_s']) // 60}m{int(p['eta_s']) % 60:02d}s"
+        show(f"fit: {p['done']}/{p['total']} layouts, traces {p['computed']} computed / "
+             f"{p['reused']} reused{eta}")
+
+    result = fit(args.model, world_size=args.world_size, hbm=args.hbm,
+                 seq_length=args.seq_length, global_batch_size=args.global_batch_size,
+                 space=space, workers=args.workers, engine=args.engine, address=args.address,
+                 cache_dir=args.cache_dir, closest=args.closest,
+                 progress=progress if show else None, attention=args.attention,
+                 kernels=args.kernels, kernel_options=_kernel_options(args),
+                 precision=args.precision, alloc_conf=args.alloc_conf,
+                 **({} if args.non_pytorch_memory is None else
+                    {"non_pytorch_memory": args.non_pytorch_memory}))
+    if show:
+        print("\r" + " " * 79 + "\r", end="", file=sys.stderr)
+    if args.json:
+        return format_fit_json(result)
+    if args.csv:
+        return format_fit_csv(result)
+    if isinstance(args.top, bool) or args.top < 1:
+        raise TracememError(f"--top {args.top} must be a positive integer")
+    return format_fit(result, top=args.top)
+
+
 def _run_inventory(args: argparse.Namespace) -> str:
     from tracemem.inventory import format_inventory, get_inventory
 
@@ -690,6 +811,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         commands = {"crosscheck": _run_crosscheck, "demo": _run_toy, "toy": _run_toy,
                     "estimate": _run_estimate, "inventory": _run_inventory,
+                    "fit": _run_fit,
                     "params": _run_params, "static": _run_static,
                     "validate": _run_validate}
         out = commands[args.command](args)

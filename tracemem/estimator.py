@@ -25,6 +25,7 @@ Conventions, each a line item:
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -52,8 +53,8 @@ from tracemem.memory import MemoryTimeline, parse_alloc_conf, write_snapshot
 from tracemem.memory.plot import check_plot_path, plot_timelines
 from tracemem.memory.timeline import replay_through_allocator, step_at
 from tracemem.optimizer_step import check_optimizer, trace_optimizer_step
-from tracemem.parallel import ParallelConfig
-from tracemem.schedules import Placement, Step, placement, schedule
+from tracemem.parallel import SHARDING, ParallelConfig
+from tracemem.schedules import SCHEDULES, Placement, Step, placement, schedule
 from tracemem.recompute import apply_recompute_method, check_recompute_method
 from tracemem.split_backward import backward_input
 from tracemem.static import StaticMemory, fused_wgrad_modules, is_fused_wgrad, static_memory
@@ -61,6 +62,7 @@ from tracemem.tracer import MemoryEvent, MemoryTracer
 from tracemem.zero3 import Zero3Gathers
 
 __all__ = ["RankEstimate", "Estimate", "estimate", "parse_bytes", "Segments", "ReplayPeak",
+           "TraceCache", "CachedEvent", "check_job",
            "replay_schedule", "replay_events", "ReplayedEvent", "segment_key"]
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -180,6 +182,7 @@ class Estimate:
     settings: dict
     ranks: list[RankEstimate]
     hbm_bytes: int | None = None
+    screened: bool = False  # estimate(screen=True) skipped the allocator: does not fit
 
     @property
     def worst(self) -> RankEstimate:
@@ -212,15 +215,25 @@ class ReplayPeak:
     largest: list[dict] = field(default_factory=list)  # the 8 largest storages alive
 
 
-def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: int,
-                routing: RoutingModel, attention: str, experts: str, recompute: str,
-                recompute_modules: frozenset[str], deallocate: bool,
-                recompute_method: tuple[str, int] = ("uniform", 1),
-                rounding: int | None, kernels: KernelProfile | str = "eager",
-                zero3_prefetch: bool = True, where: Placement | None = None,
-                kinds: frozenset[str] = frozenset("B"),
-                optimizer: str = "fused", replace=None) -> tuple[object, Segments]:
-    """``kinds``: "B" traces forwards with full backwards, "I" forwards with split ones."""
+def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, optimizer: str = "fused",
+                **options) -> tuple[object, Segments]:
+    """``rank``'s model and its segments, the optimizer step's included (``_trace_fb`` and
+    ``_trace_step``; ``options``: ``_trace_fb``'s keywords)."""
+    model, tracer, segments = _trace_fb(cfg, par, rank, **options)
+    return model, _trace_step(model, tracer, par, optimizer, segments)[1]
+
+
+def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: int,
+              routing: RoutingModel, attention: str, experts: str, recompute: str,
+              recompute_modules: frozenset[str], deallocate: bool,
+              recompute_method: tuple[str, int] = ("uniform", 1),
+              rounding: int | None, kernels: KernelProfile | str = "eager",
+              zero3_prefetch: bool = True, where: Placement | None = None,
+              kinds: frozenset[str] = frozenset("B"), replace=None
+              ) -> tuple[object, MemoryTracer, Segments]:
+    """The forward and backward segments of ``rank`` (``kinds``: "B" traces forwards with full
+    backwards, "I" forwards with split ones), with the model and the tracer that traced them
+    (``_trace_step`` adds the optimizer step)."""
     model = build_rank(cfg, par, rank, attention=attention, experts=experts,
                        dtype=torch.bfloat16, kernels=kernels, placement=where, replace=replace)
     # ZeRO-3: every unit's all-gathers are traced events (tracemem.zero3)
@@ -292,12 +305,144 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: 
         for key, events in segments.events.items():
             if key[1] in ("B", "I", "W"):
                 segments.events[key] = [e for e in events if not is_fused_wgrad(e, fused)]
-    # the optimizer step after the schedule (tracemem.optimizer_step), replayed as step "O"
+    return model, tracer, segments
+
+
+def _trace_step(model, tracer: MemoryTracer, par: ParallelConfig, optimizer: str,
+                segments: Segments) -> tuple[StaticMemory, Segments]:
+    """The static memory of a traced rank's ``model`` under ``par`` and its ``segments`` with
+    the optimizer step after the schedule (``tracemem.optimizer_step``, replayed as step "O")
+    traced on the same ``tracer``: the part of a rank's trace that depends on the ZeRO stage
+    and the DP / EDP sizes. ``segments`` is not changed."""
     start = len(tracer.events)
     trace_optimizer_step(model, par, tracer, optimizer)
-    segments.events[(0, "O", 0)] = [e for e in tracer.events[start:]
-                                    if e.phase is not Phase.EXTERNAL]
-    return model, segments
+    events = dict(segments.events)
+    events[(0, "O", 0)] = [e for e in tracer.events[start:] if e.phase is not Phase.EXTERNAL]
+    return static_memory(model, par), Segments(events)
+
+
+
+TRACE_CACHE_FORMAT = 1  # bump when what a cache file holds changes
+
+
+class CachedEvent:
+    """A ``MemoryEvent``'s fields as plain attributes, without the tracer's storage record: what
+    the disk cache of ``TraceCache`` stores (picklable) and replays identically."""
+
+    __slots__ = ("index", "action", "nbytes", "total_bytes", "phase", "op", "storage_id",
+                 "category", "module", "device", "dtype", "shape")
+
+    def __init__(self, event) -> None:
+        for name in self.__slots__:
+            setattr(self, name, getattr(event, name))
+
+    def __getstate__(self):
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setstate__(self, state) -> None:
+        for name, value in zip(self.__slots__, state):
+            setattr(self, name, value)
+
+
+def _source_digest() -> str:
+    """A digest of tracemem's and modeling's Python sources: a disk-cache key part that
+    changes with the code even when the version string does not."""
+    import hashlib
+
+    import modeling
+
+    digest = hashlib.sha256()
+    for package in (Path(__file__).parent, Path(modeling.__file__).parent):
+        for path in sorted(package.rglob("*.py")):
+            digest.update(str(path.relative_to(package.parent)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class TraceCache:
+    """Rank-class traces shared by the ``estimate`` calls of one run, and optionally on disk.
+
+    A rank class's forward and backward trace depends only on its own signature: the model
+    config, the TP / SP / CP / EP / ETP degrees and plan (its shard shapes), its layers
+    (numbers, dense or MoE, chunks, whether it holds the embedding / head), its EP rank, b, s,
+    routing, kernels and their options, recompute, rounding, the schedule's step kinds (B or
+    I / W), and under ZeRO-3 the unit shards; not on PP, the number of microbatches, the
+    schedule's order or the rest of the layout. Those traces are kept in memory by that key
+    (``fb``); the static memory and the optimizer-step segment, which also depend on the ZeRO
+    stage, the DP / EDP sizes, the precision recipe and the optimizer, are made from the cached
+    model by a second key (``step``). With ``directory``, each (``fb``, ``step``) result is
+    also a pickle file there, named by a SHA-256 of both keys, the cache format, tracemem's
+    version and source digest and torch's version, so a later run (or another worker process)
+    loads it instead of tracing.
+
+    Counters (per rank class asked for): ``computed`` traced here, ``reused`` served from
+    memory, ``loaded`` from disk.
+
+    Raises:
+        TracememError: ``directory`` cannot be made or is not a directory.
+    """
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        self._fb: dict = {}
+        self._step: dict = {}
+        self.computed = self.reused = self.loaded = 0
+        self.directory = None
+        self._version = None
+        if directory is not None:
+            self.directory = _output_dir(str(directory), "--cache-dir")
+            from tracemem import __version__
+            self._version = (TRACE_CACHE_FORMAT, __version__, _source_digest(),
+                             torch.__version__)
+
+    def counts(self) -> dict[str, int]:
+        """``{"computed": ..., "reused": ..., "loaded": ...}``."""
+        return {"computed": self.computed, "reused": self.reused, "loaded": self.loaded}
+
+    def _path(self, fb, step) -> Path:
+        import hashlib
+
+        name = hashlib.sha256(repr((self._version, fb, step)).encode()).hexdigest()
+        return self.directory / f"{name}.pickle"
+
+    def get(self, fb, step, trace: Callable[[], tuple], finish: Callable[..., tuple]
+            ) -> tuple[StaticMemory, Segments]:
+        """The ``(static, segments)`` of key ``fb`` + ``step``: from memory, from disk, or by
+        ``trace()`` (model, tracer, forward / backward segments) and ``finish(model, tracer,
+        segments)`` (static, segments with the optimizer step)."""
+        import os
+        import pickle
+
+        found = self._step.get((fb, step))
+        if found is not None:
+            self.reused += 1
+            return found
+        path = self._path(fb, step) if self.directory is not None else None
+        if path is not None and path.exists():
+            try:
+                with open(path, "rb") as f:
+                    found = pickle.load(f)
+            except Exception:  # a partial or foreign file: trace again and rewrite it
+                found = None
+            if found is not None:
+                self.loaded += 1
+                self._step[(fb, step)] = found
+                return found
+        if fb in self._fb:
+            self.reused += 1
+        else:
+            self.computed += 1
+            self._fb[fb] = trace()
+        found = finish(*self._fb[fb])
+        self._step[(fb, step)] = found
+        if path is not None:
+            static, segments = found
+            frozen = Segments({key: [CachedEvent(e) for e in events]
+                               for key, events in segments.events.items()})
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                pickle.dump((static, frozen), f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, path)  # atomic: parallel workers never read half a file
+        return found
 
 
 class ReplayedEvent(NamedTuple):
@@ -475,6 +620,61 @@ def ep_rank_classes(cfg: ModelConfig, par: ParallelConfig, stage: int, routing: 
     return list(classes.values())
 
 
+@functools.lru_cache(maxsize=256)
+def _schedule(name: str, pp: int, vpp: int, num_microbatches: int) -> list[list[Step]]:
+    """``tracemem.schedules.schedule``, once per arguments (its DAG check grows with pp * M;
+    a ``fit`` sweep asks for the same few many times). Callers do not mutate the lists."""
+    return schedule(name, pp, vpp, num_microbatches)
+
+
+def check_job(par: ParallelConfig, *, micro_batch_size: int, seq_length: int,
+              num_microbatches: int, schedule_name: str, recompute: str) -> list[list[Step]]:
+    """The checks of a job beyond its layout (``ParallelConfig.create``), which ``estimate``
+    runs and ``tracemem fit`` uses to enumerate valid layouts: b, s and M positive and bounded,
+    SP with TP and EP (Megatron-Core's ``ModelParallelConfig``), s divisible by CP x SP, the
+    schedule's own rules (``tracemem.schedules.schedule``) and what its W steps do not yet
+    trace. Returns the schedule's steps per rank.
+
+    Raises:
+        TracememError: the first check that fails, naming the flag, the value and a fix.
+    """
+    for flag, value in (("--micro-batch-size", micro_batch_size), ("--seq-length", seq_length),
+                        ("--num-microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise TracememError(f"{flag} {value!r} must be a positive integer")
+    if micro_batch_size * seq_length > MAX_TOKENS:
+        raise TracememError(
+            f"--micro-batch-size {micro_batch_size} x --seq-length {seq_length} = "
+            f"{micro_batch_size * seq_length:,} tokens per microbatch is more than 2^32; no "
+            f"machine holds one layer's activations for that")
+    if num_microbatches > MAX_MICROBATCHES:
+        raise TracememError(f"--num-microbatches {num_microbatches} is more than 2^20; the "
+                            f"replay's work grows with it (and no job runs that many)")
+    if par.tp > 1 and par.ep > 1 and not par.sp:
+        raise TracememError("--tp > 1 with --ep > 1 needs --sp (Megatron-Core's "
+                            "ModelParallelConfig: with expert and tensor parallelism, sequence "
+                            "parallelism must be used)")
+    split = par.cp * (par.tp if par.sp else 1)
+    if seq_length % split:
+        raise TracememError(f"--seq-length {seq_length} must be a multiple of cp * sp = "
+                            f"{split} (the sequence is split across them)")
+    if not isinstance(schedule_name, str):
+        raise TracememError(f"--schedule {schedule_name!r} is invalid; choose one of "
+                            f"{', '.join(SCHEDULES)}")
+    steps_by_rank = _schedule(schedule_name, par.pp, par.vpp, num_microbatches)
+    if any(s.kind == "W" for steps in steps_by_rank for s in steps):
+        if recompute != "none":
+            raise TracememError(f"--schedule {schedule_name} defers weight gradients (W "
+                                f"steps), which tracemem does not yet trace with --recompute "
+                                f"{recompute} (checkpointed tensors unpack once); use "
+                                f"--recompute none")
+        if par.zero == 3:
+            raise TracememError(f"--schedule {schedule_name} defers weight gradients (W "
+                                f"steps), which tracemem does not yet trace with --zero 3 "
+                                f"(W would gather the parameters again); use --zero 1 or 2")
+    return steps_by_rank
+
+
 def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int,
              seq_length: int, num_microbatches: int, schedule_name: str = "1f1b",
              recompute: str = "none", recompute_modules: tuple[str, ...] = ("core_attn",),
@@ -486,7 +686,9 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
              kernel_options: dict | None = None, alloc_conf: str | None = None,
              non_pytorch_memory: str = NON_PYTORCH_MEMORY_DEFAULT, snapshot: str | None = None,
              plot: str | None = None, optimizer: str = "fused",
-             max_ep_classes: int = MAX_EP_CLASSES, replace=None, **layout) -> Estimate:
+             max_ep_classes: int = MAX_EP_CLASSES, replace=None,
+             trace_cache: TraceCache | None = None, screen: bool = False,
+             **layout) -> Estimate:
     """Peak memory of every distinct rank.
 
     Args:
@@ -531,38 +733,32 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
             groups they declare (``modeling.parallel.groups``). An op in them that needs
             tensor values raises ``DataDependentOpError``, one with no meta kernel
             ``MissingMetaKernelError`` (``tracemem.errors``).
+        trace_cache: a ``TraceCache`` to take rank-class traces from and add them to, shared
+            by the estimates of one run (``tracemem fit``); default: a fresh one per call.
+            Results are the same either way.
+        screen: with ``hbm``: when any rank class's replayed peak (``peak_bytes``) plus
+            ``non_pytorch_memory`` is already over ``hbm``, skip the allocator simulation of
+            every rank class (its reserved peak can only be higher, so the job does not fit)
+            and return ``Estimate.screened`` True: allocator figures 0, ``fits`` False for the
+            ranks over and None for the others.
 
     Raises:
         TracememError: any invalid input, with the flag, the value and a fix.
     """
     cfg = model if isinstance(model, ModelConfig) else load_config(model)
     par = ParallelConfig.create(cfg, world_size=world_size, **layout)
-    for flag, value in (("--micro-batch-size", micro_batch_size), ("--seq-length", seq_length),
-                        ("--num-microbatches", num_microbatches),
-                        ("--max-ep-classes", max_ep_classes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise TracememError(f"{flag} {value!r} must be a positive integer")
-    if micro_batch_size * seq_length > MAX_TOKENS:
-        raise TracememError(
-            f"--micro-batch-size {micro_batch_size} x --seq-length {seq_length} = "
-            f"{micro_batch_size * seq_length:,} tokens per microbatch is more than 2^32; no "
-            f"machine holds one layer's activations for that")
-    if num_microbatches > MAX_MICROBATCHES:
-        raise TracememError(f"--num-microbatches {num_microbatches} is more than 2^20; the "
-                            f"replay's work grows with it (and no job runs that many)")
+    if isinstance(max_ep_classes, bool) or not isinstance(max_ep_classes, int) \
+            or max_ep_classes <= 0:
+        raise TracememError(f"--max-ep-classes {max_ep_classes!r} must be a positive integer")
+    steps_by_rank = check_job(par, micro_batch_size=micro_batch_size, seq_length=seq_length,
+                              num_microbatches=num_microbatches, schedule_name=schedule_name,
+                              recompute=recompute)
     if rounding is not None and (isinstance(rounding, bool) or not isinstance(rounding, int)
                                  or rounding < 0):
         raise TracememError(f"--rounding {rounding!r} must be 0 (exact bytes) or a positive "
                             f"number of bytes")
     rounding = rounding or None  # 0: exact bytes, as None
-    if par.tp > 1 and par.ep > 1 and not par.sp:
-        raise TracememError("--tp > 1 with --ep > 1 needs --sp (Megatron-Core's "
-                            "ModelParallelConfig: with expert and tensor parallelism, sequence "
-                            "parallelism must be used)")
     split = par.cp * (par.tp if par.sp else 1)
-    if seq_length % split:
-        raise TracememError(f"--seq-length {seq_length} must be a multiple of cp * sp = "
-                            f"{split} (the sequence is split across them)")
     check_recompute_method(recompute, recompute_method, recompute_num_layers)
     hbm_bytes = parse_bytes(hbm) if hbm is not None else None
     kernel_options = dict(kernel_options or {})
@@ -583,22 +779,13 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
     if plot is not None:
         check_plot_path(plot)
     routing_model = parse_routing(routing, seed)
+    # what identifies the routing in a trace key; counts files are read now, so not cached
+    routing_model_key = None if isinstance(routing_model, Counts) else (routing, seed)
     _check_counts_cover(cfg, routing_model)
     replacements = resolve_replacements(replace)
-    steps_by_rank = schedule(schedule_name, par.pp, par.vpp, num_microbatches)
     where = placement(schedule_name, par.pp, par.vpp, num_microbatches)
-    if any(s.kind == "W" for steps in steps_by_rank for s in steps):
-        if recompute != "none":
-            raise TracememError(f"--schedule {schedule_name} defers weight gradients (W "
-                                f"steps), which tracemem does not yet trace with --recompute "
-                                f"{recompute} (checkpointed tensors unpack once); use "
-                                f"--recompute none")
-        if par.zero == 3:
-            raise TracememError(f"--schedule {schedule_name} defers weight gradients (W "
-                                f"steps), which tracemem does not yet trace with --zero 3 "
-                                f"(W would gather the parameters again); use --zero 1 or 2")
     tokens = micro_batch_size * seq_length // split
-    results, cache = [], {}
+    results = []
     units = []  # (pipeline stage, the EP ranks of one class): one trace each
     for stage in range(par.pp):
         classes = [list(range(par.ep))]
@@ -611,6 +798,24 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                     f"each traced once; the cap is --max-ep-classes {max_ep_classes}: raise it "
                     f"to {len(classes)} (about {len(classes)} traces per stage)")
         units += [(stage, ep_ranks, len(classes)) for ep_ranks in classes]
+    # the user's own layers (replace) and a counts file are not in the key: not shared
+    call_key = None if routing_model_key is None or replacements else (
+        repr(cfg), par.tp, par.sp, par.cp, par.ep, par.etp, par.plan,
+        par.precision_spec.gradient_accumulation_fusion,
+        # ZeRO-3's traced gathers: the unit shards (tracemem.zero3)
+        (par.zero, tuple(par.shards(r.quantity, r.kind) for r in SHARDING))
+        if par.zero == 3 else None,
+        micro_batch_size, seq_length, routing_model_key, attention, experts, recompute,
+        tuple(recompute_modules) if recompute == "selective" else (),
+        (recompute_method, recompute_num_layers) if recompute == "full" else None,
+        deallocate_pipeline_outputs, rounding, profile.name,
+        tuple(sorted(profile.options.items())), zero3_prefetch)
+    step_key = (par.zero, tuple(par.shards(r.quantity, r.kind) for r in SHARDING),
+                repr(par.precision_spec), optimizer)
+    # a counts file's routing is not in the key: such a call shares nothing with others
+    cache = trace_cache if trace_cache is not None and call_key is not None else TraceCache()
+    representative: dict[tuple, tuple] = {}  # in-call signature -> the first stage's layers
+    prepared = []
     for stage, ep_ranks, num_classes in units:
         ep_rank = None if len(ep_ranks) == par.ep else ep_ranks[0]
         rank = stage * (par.world_size // par.pp) + (ep_rank or 0) * par.etp
@@ -622,20 +827,26 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                      tuple(len(c) for c in par.layers_of_stage(stage, where)),
                      tuple(cfg.is_moe_layer(i) for i in layers),
                      None if routing == "balanced" else tuple(layers), kinds)
+        # stages of one signature share the first one's trace (its module paths included),
+        # in this call and, through the cache, in any call with the same call_key
+        chunks = representative.setdefault(signature, tuple(
+            tuple(c) for c in par.layers_of_stage(stage, where)))
         if progress:
             progress(f"tracing pipeline stage {stage + 1}/{par.pp}" + (
                 f", EP ranks {_ranks_text(ep_ranks)}" if num_classes > 1 else ""))
-        if signature not in cache:
-            model_obj, segments = _trace_rank(
+
+        def trace(rank=rank, kinds=kinds):
+            return _trace_fb(
                 cfg, par, rank, b=micro_batch_size, s=seq_length, routing=routing_model,
                 attention=attention, experts=experts, recompute=recompute,
                 recompute_modules=frozenset(recompute_modules),
                 recompute_method=(recompute_method, recompute_num_layers),
                 deallocate=deallocate_pipeline_outputs, rounding=rounding,
                 zero3_prefetch=zero3_prefetch, kernels=profile, where=where, kinds=kinds,
-                optimizer=optimizer, replace=replacements)
-            cache[signature] = (static_memory(model_obj, par), segments)
-        static, segments = cache[signature]
+                replace=replacements)
+        static, segments = cache.get((call_key, signature, chunks), step_key, trace,
+                                     lambda model, tracer, fb: _trace_step(
+                                         model, tracer, par, optimizer, fb))
         steps = steps_by_rank[stage]
         # the optimizer step after the schedule's last step, on the traced "O" segment
         first = next(s for s in steps if where.chunk_index(stage, s.stage) == 0)
@@ -644,7 +855,31 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
         replayed = replay_schedule(steps, par.pp, segments,
                                    static.total_bytes - static.zero3_gather_bytes,
                                    lambda v, stage=stage: where.chunk_index(stage, v))
+        prepared.append((stage, ep_ranks, ep_rank, rank, layers, static, segments, steps,
+                         replayed))
+    screened = screen and hbm_bytes is not None and any(
+        p[-1].peak_bytes + outside > hbm_bytes for p in prepared)
+    for stage, ep_ranks, ep_rank, rank, layers, static, segments, steps, replayed in prepared:
         peak, at, inflight = replayed.peak_bytes, replayed.step_index, replayed.inflight
+        live, modules = replayed.by_category, replayed.by_module
+        if screened:  # reserved >= allocated >= this peak: over --hbm without the allocator
+            results.append(RankEstimate(
+                pp_stage=stage, ep_rank=ep_rank, rank=rank, layers=layers,
+                inflight_microbatches=inflight,
+                peak_step=None if at is None else
+                "optimizer" if steps[at].kind == "O" else str(steps[at]),
+                peak_phase=None if at is None else _PHASES[steps[at].kind],
+                peak_bytes=peak, parameter_bytes=static.param_bytes,
+                gradient_bytes=static.grad_bytes + live.get("gradient", 0),
+                optimizer_state_bytes=static.optimizer_bytes,
+                buffer_bytes=static.buffer_bytes + live.get("buffer", 0),
+                activation_bytes=live.get("activation", 0),
+                comm_buffer_bytes=live.get("comm_buffer", 0),
+                temporary_bytes=live.get("temporary", 0), input_bytes=live.get("input", 0),
+                zero3_gather_bytes=live.get("parameter", 0), static=static,
+                fits=False if peak + outside > hbm_bytes else None,
+                ep_ranks=tuple(ep_ranks) if ep_rank is not None else ()))
+            continue
         label = f"stage{stage}" + ("" if ep_rank is None else f"_ep{ep_rank}")
         timeline, allocator = replay_through_allocator(
             replay_events(steps, par.pp, segments,
@@ -699,19 +934,19 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
                        usable_bytes=capacity,
                        title=f"{cfg.name}: memory over one step per rank class "
                              f"({alloc_config.text or 'default allocator settings'})")
-    return Estimate(cfg.name, par, settings, results, hbm_bytes)
+    return Estimate(cfg.name, par, settings, results, hbm_bytes, screened)
 
 
-def _output_dir(path: str) -> Path:
-    """``--snapshot`` directory, made if missing."""
+def _output_dir(path: str, flag: str = "--snapshot") -> Path:
+    """``--snapshot`` (or ``flag``'s) directory, made if missing."""
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise TracememError(f"--snapshot {path!r}: cannot make the directory: "
+        raise TracememError(f"{flag} {path!r}: cannot make the directory: "
                             f"{e.strerror}") from None
     if not out.is_dir():
-        raise TracememError(f"--snapshot {path!r} is not a directory")
+        raise TracememError(f"{flag} {path!r} is not a directory")
     return out
 
 

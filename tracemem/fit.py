@@ -1,0 +1,779 @@
+"""``tracemem fit``: every valid layout of a model on ``world_size`` GPUs, each estimated, those
+that fit in ``hbm`` ranked by a stated cost model (``tracemem.formulas.cost``).
+
+Enumeration (``enumerate_layouts``): the product of the search space's dimensions (TP, SP, CP,
+EP, ETP, PP with its layer layouts, VPP, micro-batch size b, recompute, ZeRO stage, schedule);
+the number of microbatches follows from the global batch, M = G / (b x DP), which must be an
+integer (Megatron-LM ``megatron/core/num_microbatches_calculator.py``,
+``ConstantNumMicroBatchesCalculator``: "global batch size ... is not divisible by micro batch
+size times data parallel size"). A candidate is valid when ``ParallelConfig.create`` accepts
+it (the degrees against the world size and the model: Megatron-LM ``megatron/training/
+arguments.py`` ``validate_args`` and ``megatron/core/parallel_state.py``
+``initialize_model_parallel``, cited there) and ``tracemem.estimator.check_job`` accepts the job
+(SP with TP and EP, s divisible by CP x SP, the schedule's own rules); nothing else decides.
+
+PP layer layouts (``pp_layouts``): an even split when pp x vpp divides the layers; else
+Megatron's ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``
+(tracemem's ``--pp-first-stage-layers`` / ``--pp-last-stage-layers``), whose rules are
+Megatron-Core's ``TransformerConfig.__post_init__`` (megatron/core/transformer/
+transformer_config.py, "Uneven PP"): each given end holds at least one layer, the middle stages
+share the rest evenly (none left when there are no middle stages), and with VPP the ends and
+each middle rank's layers divide by vpp (then each rank's chunks split its layers evenly).
+Which of those layouts are tried is ``--pp-ends``: ``suggested`` (default: the even split if
+there is one, else the balanced layout with the fewest layers on the last stage, which also
+holds the head, loss and MTP: 4 and 1 for 61 layers on 16 stages, DeepSeek-V3's), ``balanced``
+(every layout whose ends hold no more layers than a middle stage) or ``all``.
+
+Estimation: each layout through ``tracemem.estimator.estimate`` with one ``TraceCache`` per
+worker process (a rank class's trace is made once per run, and optionally kept on disk), first
+screened (``estimate(screen=True)``: a layout whose replayed peak alone is over ``hbm`` does not
+fit, so the allocator simulation is skipped), then the closest layouts that do not fit are
+estimated in full to say by how much. Layouts that share a trace family (all but the ZeRO
+stage, schedule and M) go to the same worker. Engines: ``local`` (``concurrent.futures``
+worker processes, or in this process with one worker) and ``ray`` (tasks on a Ray cluster).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from tracemem.errors import TracememError
+
+__all__ = ["SearchSpace", "Layout", "FitRow", "FitResult", "pp_layouts", "enumerate_layouts",
+           "fit", "PP_ENDS", "ENGINES", "DEFAULT_CLOSEST"]
+
+PP_ENDS = ("suggested", "balanced", "all")
+ENGINES = ("local", "ray")
+DEFAULT_CLOSEST = 5  # layouts that do not fit, estimated in full to say by how much
+RECOMPUTES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The values tried per dimension (each a tuple). Defaults: what a team would try for a
+    DeepSeek-V3-class MoE on one or two thousand GPUs, small enough to run on a laptop: TP
+    within a node, EP 8 to 64, PP 8 or 16 with the suggested layer layout, no CP, VPP or
+    ETP, b = 1, every recompute mode, ZeRO-1 (Megatron's distributed optimizer), 1F1B.
+    ``sp``: True, False or both; SP applies where TP > 1 (TP 1 runs without)."""
+
+    tp: tuple[int, ...] = (1, 2, 4, 8)
+    sp: tuple[bool, ...] = (True,)
+    cp: tuple[int, ...] = (1,)
+    ep: tuple[int, ...] = (8, 16, 32, 64)
+    etp: tuple[int, ...] = (1,)
+    pp: tuple[int, ...] = (8, 16)
+    vpp: tuple[int, ...] = (1,)
+    pp_ends: str = "suggested"
+    micro_batch_size: tuple[int, ...] = (1,)
+    recompute: tuple[str, ...] = RECOMPUTES
+    zero: tuple[int, ...] = (1,)
+    schedule: tuple[str, ...] = ("1f1b",)
+
+    def __post_init__(self) -> None:
+        from tracemem.schedules import SCHEDULES
+
+        for f in fields(self):
+            value = getattr(self, f.name)
+            flag = "--" + f.name.replace("_", "-")
+            if f.name == "pp_ends":
+                if value not in PP_ENDS:
+                    raise TracememError(f"--pp-ends {value!r} is invalid; choose one of "
+                                        f"{', '.join(PP_ENDS)}")
+                continue
+            if not isinstance(value, tuple) or not value:
+                raise TracememError(f"{flag} needs at least one value")
+            for item in value:
+                if f.name == "sp":
+                    ok = isinstance(item, bool)
+                elif f.name == "recompute":
+                    ok = item in RECOMPUTES
+                elif f.name == "schedule":
+                    ok = item in SCHEDULES
+                elif f.name == "zero":
+                    ok = item in (0, 1, 2, 3) and not isinstance(item, bool)
+                else:
+                    ok = isinstance(item, int) and not isinstance(item, bool) and item > 0
+                if not ok:
+                    choices = {"sp": "on, off", "recompute": ", ".join(RECOMPUTES),
+                               "schedule": ", ".join(SCHEDULES), "zero": "0, 1, 2, 3"}
+                    raise TracememError(f"{flag} value {item!r} is invalid; give "
+                                        f"{choices.get(f.name, 'positive integers')}, "
+                                        f"comma-separated")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One job: ``estimate`` keywords beyond the model, world size and sequence length."""
+
+    tp: int
+    sp: bool
+    cp: int
+    ep: int
+    etp: int
+    pp: int
+    vpp: int
+    pp_first_stage_layers: int | None
+    pp_last_stage_layers: int | None
+    micro_batch_size: int
+    num_microbatches: int
+    recompute: str
+    zero: int
+    schedule: str
+
+    def estimate_kwargs(self) -> dict[str, Any]:
+        """``tracemem.estimate`` keywords of this layout."""
+        out = {k: v for k, v in asdict(self).items() if k != "schedule"}
+        out["schedule_name"] = self.schedule
+        return out
+
+    def family(self) -> tuple:
+        """What its traces depend on among the layout's fields: layouts of one family share
+        their rank-class traces (all but ZeRO below 3, the schedule and M)."""
+        return (self.tp, self.sp, self.cp, self.ep, self.etp, self.pp, self.vpp,
+                self.pp_first_stage_layers, self.pp_last_stage_layers, self.micro_batch_size,
+                self.recompute, self.zero == 3)
+
+    def flags(self) -> str:
+        """The ``tracemem estimate`` flags of this layout."""
+        parts = [f"--tp {self.tp}"] + (["--sp"] if self.sp else [])
+        parts += [f"--cp {self.cp}", f"--ep {self.ep}", f"--etp {self.etp}", f"--pp {self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"--vpp {self.vpp}")
+        if self.pp_first_stage_layers is not None:
+            parts.append(f"--pp-first-stage-layers {self.pp_first_stage_layers}")
+        if self.pp_last_stage_layers is not None:
+            parts.append(f"--pp-last-stage-layers {self.pp_last_stage_layers}")
+        parts += [f"--micro-batch-size {self.micro_batch_size}",
+                  f"--num-microbatches {self.num_microbatches}",
+                  f"--recompute {self.recompute}", f"--zero {self.zero}",
+                  f"--schedule {self.schedule}"]
+        return " ".join(parts)
+
+
+def pp_layouts(num_layers: int, pp: int, vpp: int, mode: str = "suggested"
+               ) -> list[tuple[int | None, int | None]]:
+    """``(first, last)`` stage layers (None, None: an even split) of ``num_layers`` over
+    ``pp`` ranks with ``vpp`` chunks each that Megatron-Core accepts (the module docstring),
+    restricted by ``mode`` (``PP_ENDS``), in order of ``first`` descending.
+
+    >>> pp_layouts(61, 16, 1)
+    [(4, 1)]
+    >>> pp_layouts(4, 2, 1, "all")
+    [(None, None), (3, 1), (1, 3)]
+    """
+    stages = pp * vpp
+    even = [(None, None)] if num_layers % stages == 0 else []
+    if pp < 2:
+        return even
+    found = []  # (first, last, middle layers per rank)
+    for first in range(1, num_layers + 1):
+        for last in range(1, num_layers - first + 1):
+            rest, middle = num_layers - first - last, pp - 2
+            if (rest == 0) != (middle == 0) or (middle and rest % middle):
+                continue
+            per = rest // middle if middle else 0
+            if vpp > 1 and (first % vpp or last % vpp or per % vpp):
+                continue
+            found.append((first, last, per))
+    if mode == "all":
+        ends = [(f, l) for f, l, _ in found]
+    else:
+        balanced = [(f, l, per) for f, l, per in found
+                    if (per and f <= per and l <= per) or (not per and abs(f - l) <= 1)]
+        if mode == "balanced":
+            ends = [(f, l) for f, l, _ in balanced]
+        elif even or not balanced:
+            return even
+        else:  # the smallest largest stage, then the fewest layers last
+            f, l, _ = min(balanced, key=lambda e: (max(e), e[1]))
+            ends = [(f, l)]
+    even_layout = [num_layers // pp] * pp if even else None
+    out = list(even)
+    for f, l in sorted(ends, key=lambda e: -e[0]):
+        middle = (num_layers - f - l) // (pp - 2) if pp > 2 else 0
+        if even_layout != [f] + [middle] * (pp - 2) + [l]:  # the even split, said once
+            out.append((f, l))
+    return out
+
+
+def enumerate_layouts(cfg, world_size: int, seq_length: int, global_batch_size: int,
+                      space: SearchSpace) -> tuple[list[Layout], dict[str, int]]:
+    """Every valid layout of model ``cfg`` (a ``ModelConfig``) in ``space``, in the order of
+    the space's dimensions, and the number of candidates rejected per first reason (the
+    validator's message up to its first digit-free clause, e.g. ``"--tp 8 must divide ..."``).
+
+    Raises:
+        TracememError: a world size, sequence length or global batch that is not a positive
+            integer.
+    """
+    from tracemem.estimator import check_job
+    from tracemem.parallel import ParallelConfig
+
+    for flag, value in (("--world-size", world_size), ("--seq-length", seq_length),
+                        ("--global-batch-size", global_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise TracememError(f"{flag} {value!r} must be a positive integer")
+    layouts: list[Layout] = []
+    rejected: dict[str, int] = {}
+
+    def reject(reason: str, count: int = 1) -> None:
+        rejected[reason] = rejected.get(reason, 0) + count
+
+    rest = len(space.micro_batch_size) * len(space.recompute) * len(space.schedule)
+    for tp in space.tp:
+        for sp in sorted({s and tp > 1 for s in space.sp}, reverse=True):
+            for cp in space.cp:
+                for ep in space.ep:
+                    for etp in space.etp:
+                        for pp in space.pp:
+                            for vpp in space.vpp:
+                                ends = pp_layouts(cfg.num_layers, pp, vpp, space.pp_ends)
+                                if not ends:
+                                    reject(f"no {space.pp_ends} layer layout of "
+                                           f"{cfg.num_layers} layers over pp {pp} x vpp {vpp}",
+                                           len(space.zero) * rest)
+                                for first, last in ends:
+                                    for zero in space.zero:
+                                        try:
+                                            par = ParallelConfig.create(
+                                                cfg, world_size=world_size, tp=tp, sp=sp,
+                                                cp=cp, ep=ep, etp=etp, pp=pp, vpp=vpp,
+                                                zero=zero, pp_first_stage_layers=first,
+                                                pp_last_stage_layers=last)
+                                        except TracememError as error:
+                                            reject(_reason(error), rest)
+                                            continue
+                                        layouts += _jobs(par, first, last, seq_length,
+                                                         global_batch_size, space, reject,
+                                                         check_job)
+    return layouts, rejected
+
+
+def _jobs(par, first, last, seq_length, global_batch_size, space, reject, check_job):
+    out = []
+    for b in space.micro_batch_size:
+        if global_batch_size % (b * par.dp):
+            reject(f"--global-batch-size not a multiple of b x DP",
+                   len(space.recompute) * len(space.schedule))
+            continue
+        m = global_batch_size // (b * par.dp)
+        for recompute in space.recompute:
+            for name in space.schedule:
+                try:
+                    check_job(par, micro_batch_size=b, seq_length=seq_length,
+                              num_microbatches=m, schedule_name=name, recompute=recompute)
+                except TracememError as error:
+                    reject(_reason(error))
+                    continue
+                out.append(Layout(par.tp, par.sp, par.cp, par.ep, par.etp, par.pp, par.vpp,
+                                  first, last, b, m, recompute, par.zero, name))
+    return out
+
+
+def _reason(error: TracememError) -> str:
+    """A rejection's message, short: up to its first ';' or '('."""
+    text = str(error).splitlines()[0]
+    for mark in (";", " ("):
+        text = text.split(mark)[0]
+    return text.strip()
+
+
+@dataclass
+class FitRow:
+    """One estimated layout (plain data; ``as_dict`` for JSON / CSV).
+
+    Attributes:
+        layout: the job; flags: its ``tracemem estimate`` flags.
+        fits: every rank's reserved peak + non-PyTorch memory within ``hbm``.
+        screened: only the replayed (allocated) peaks were computed: a rank's alone is over
+            ``hbm`` (reserved >= allocated), so it does not fit and ``needed_bytes`` is a lower
+            bound.
+        needed_bytes: the most a rank needs: reserved peak + non-PyTorch memory (screened:
+            allocated peak + non-PyTorch memory, at least what it needs).
+        worst_pp_stage: the pipeline stage of that rank; peak_bytes: its allocated peak.
+        headroom_bytes: hbm - needed (negative: over by that much; screened: at least).
+        bubble: pipeline bubble fraction; comm_bytes: TP + EP + CP bytes a rank of the
+            busiest stage sends per step (``tracemem.formulas.cost``); tp / ep / cp_bytes: the
+            parts.
+        traces_computed, traces_reused: rank-class traces made for this layout, and taken from
+            the cache (memory or disk).
+    """
+
+    layout: Layout
+    flags: str
+    fits: bool
+    screened: bool
+    needed_bytes: int
+    worst_pp_stage: int
+    peak_bytes: int
+    headroom_bytes: int
+    bubble: float
+    comm_bytes: int
+    tp_bytes: int
+    ep_bytes: int
+    cp_bytes: int
+    traces_computed: int = 0
+    traces_reused: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(out.pop("layout"))
+        return out
+
+
+@dataclass
+class FitResult:
+    """``fit``'s result: every row (fitting ones ranked by cost first), the closest rows that
+    do not fit (estimated in full), the rejected candidates per reason, and the run's
+    figures: traces computed / reused / loaded from disk, seconds, workers, engine."""
+
+    model: str
+    world_size: int
+    hbm_bytes: int
+    seq_length: int
+    global_batch_size: int
+    rows: list[FitRow]
+    closest: list[FitRow]
+    rejected: dict[str, int]
+    traces: dict[str, int]
+    seconds: float
+    workers: int
+    engine: str
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def fitting(self) -> list[FitRow]:
+        return [r for r in self.rows if r.fits]
+
+
+def layout_cost(cfg, par, layout: Layout, seq_length: int) -> tuple[float, int, int, int, int]:
+    """``(bubble, comm, tp, ep, cp bytes per step)`` of ``layout`` (``tracemem.formulas.cost``):
+    per-layer bytes over the decoder layers of the busiest pipeline rank (its layers summed
+    over its chunks, MoE layers with EP bytes), times the M microbatches."""
+    from tracemem.formulas import cost
+    from tracemem.schedules import placement
+
+    where = placement(layout.schedule, par.pp, par.vpp, layout.num_microbatches)
+    b, s, m = layout.micro_batch_size, seq_length, layout.num_microbatches
+    h = cfg.hidden_size
+    per_tp = cost.tp_bytes(b, s, h, par.tp, par.cp) if par.tp > 1 else 0
+    per_ep = cost.ep_bytes(b, s, h, cfg.num_experts_per_tok, par.ep, par.cp,
+                           par.tp if par.sp else 1) if par.ep > 1 else 0
+    per_cp = cost.cp_bytes(b, s, cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim,
+                           par.tp, par.cp) if par.cp > 1 else 0
+    best = (0, 0, 0)
+    for stage in range(par.pp):
+        layers = [i for chunk in par.layers_of_stage(stage, where) for i in chunk]
+        moe = sum(cfg.is_moe_layer(i) for i in layers)
+        parts = (per_tp * len(layers) * m, per_ep * moe * m, per_cp * len(layers) * m)
+        if sum(parts) > sum(best):
+            best = parts
+    bubble = cost.bubble_fraction(layout.schedule, par.pp, par.vpp, m)
+    return bubble, sum(best), *best
+
+
+# one TraceCache per worker process (and for the serial engine, per run): module state, so
+# that the tasks a worker runs share it
+_WORKER_CACHE: dict[str, Any] = {}
+
+
+def _worker_cache(cache_dir: str | None, run_id: str):
+    from tracemem.estimator import TraceCache
+
+    if _WORKER_CACHE.get("run") != run_id:
+        _WORKER_CACHE.clear()
+        _WORKER_CACHE.update(run=run_id, cache=TraceCache(cache_dir))
+    return _WORKER_CACHE["cache"]
+
+
+def _run_group(job: dict[str, Any], layouts: list[Layout], screen: bool = True
+               ) -> tuple[list[FitRow], dict[str, int]]:
+    """Estimate ``layouts`` (one trace family) in this process: the rows, and this call's
+    trace counts. ``job``: ``fit``'s fixed ``estimate`` keywords, ``cache_dir`` and ``run``."""
+    from modeling.config import load_config
+    from tracemem.estimator import estimate
+    from tracemem.parallel import ParallelConfig
+
+    job = dict(job)
+    cache = _worker_cache(job.pop("cache_dir"), job.pop("run"))
+    model = job.pop("model")
+    cfg = load_config(model) if isinstance(model, str) else model
+    before = cache.counts()
+    rows = []
+    for layout in layouts:
+        start = cache.counts()
+        kwargs = layout.estimate_kwargs()
+        result = estimate(cfg, trace_cache=cache, screen=screen, **job, **kwargs)
+        outside = result.settings["non_pytorch_memory_bytes"]
+        needed = [(r.peak_bytes if result.screened else r.reserved_peak_bytes) + outside
+                  for r in result.ranks]
+        worst = max(range(len(needed)), key=needed.__getitem__)
+        par = ParallelConfig.create(cfg, world_size=job["world_size"], **{
+            k: v for k, v in kwargs.items() if k in _LAYOUT_KEYS})
+        bubble, comm, tp_b, ep_b, cp_b = layout_cost(cfg, par, layout, job["seq_length"])
+        end = cache.counts()
+        rows.append(FitRow(
+            layout, layout.flags(),
+            fits=not result.screened and all(r.fits for r in result.ranks),
+            screened=result.screened, needed_bytes=needed[worst],
+            worst_pp_stage=result.ranks[worst].pp_stage,
+            peak_bytes=result.ranks[worst].peak_bytes,
+            headroom_bytes=result.hbm_bytes - needed[worst], bubble=bubble, comm_bytes=comm,
+            tp_bytes=tp_b, ep_bytes=ep_b, cp_bytes=cp_b,
+            traces_computed=end["computed"] - start["computed"],
+            traces_reused=(end["reused"] + end["loaded"]) - (start["reused"] + start["loaded"])))
+    after = cache.counts()
+    return rows, {k: after[k] - before[k] for k in after}
+
+
+class _Validated(Exception):
+    """Raised by ``_CheckOnly``: ``estimate`` got past its validation to the first trace."""
+
+
+class _CheckOnly:
+    """A ``TraceCache`` stand-in that stops ``estimate`` at its first trace: the fixed
+    keywords validated in this process, on one line, before any worker starts."""
+
+    def get(self, *args, **kwargs):
+        raise _Validated
+
+
+_CHECK_ONLY = _CheckOnly()
+
+_LAYOUT_KEYS = ("tp", "sp", "cp", "ep", "etp", "pp", "vpp", "zero", "pp_first_stage_layers",
+                "pp_last_stage_layers")
+
+
+def _groups(layouts: Iterable[Layout], size: int) -> list[list[Layout]]:
+    """Layouts by trace family (``Layout.family``), each family split into lists of at most
+    ``size`` (so many workers share a large family's work, each tracing it once)."""
+    families: dict[tuple, list[Layout]] = {}
+    for layout in layouts:
+        families.setdefault(layout.family(), []).append(layout)
+    out = []
+    for members in families.values():
+        out += [members[i:i + size] for i in range(0, len(members), size)]
+    return out
+
+
+class _Engine:
+    """Runs groups of layouts (``_run_group``) and hands each group's result to ``report``
+    as it completes: in this process (one local worker), in ``concurrent.futures`` worker
+    processes (kept for the whole run, so their trace caches are too), or as Ray tasks."""
+
+    def __init__(self, engine: str, workers: int, address: str | None) -> None:
+        self.engine, self.workers, self.pool, self.ray, self.started = engine, workers, None, \
+            None, False
+        if engine == "ray":
+            try:
+                import ray
+            except ImportError:
+                raise TracememError("--engine ray needs Ray: pip install 'tracemem[ray]'") \
+                    from None
+            self.ray = ray
+            if not ray.is_initialized():
+                ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                         configure_logging=False)
+                self.started = True
+            self.task = ray.remote(_run_group)
+        elif workers > 1:
+            import concurrent.futures as cf
+            import multiprocessing
+
+            # spawn, not fork: a forked torch can deadlock on its threads' locks
+            self.pool = cf.ProcessPoolExecutor(
+                max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+
+    def run(self, job, groups, screen: bool, report) -> None:
+        if self.ray is not None:
+            pending = [self.task.remote(job, group, screen) for group in groups]
+            while pending:
+                done, pending = self.ray.wait(pending, num_returns=1)
+                for ref in done:
+                    report(*self.ray.get(ref))
+        elif self.pool is not None:
+            import concurrent.futures as cf
+
+            futures = [self.pool.submit(_run_group, job, group, screen) for group in groups]
+            for future in cf.as_completed(futures):
+                report(*future.result())
+        else:
+            for group in groups:
+                report(*_run_group(job, group, screen))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+        if self.started:
+            self.ray.shutdown()
+
+
+def fit(model, *, world_size: int, hbm: str, seq_length: int, global_batch_size: int,
+        space: SearchSpace | None = None, workers: int | None = None, engine: str = "local",
+        address: str | None = None, cache_dir: str | None = None,
+        closest: int = DEFAULT_CLOSEST, progress: Callable[[dict], None] | None = None,
+        **estimate_kwargs) -> FitResult:
+    """Estimate every valid layout of ``model`` on ``world_size`` GPUs (``enumerate_layouts``
+    over ``space``) and say which fit in ``hbm``.
+
+    Args:
+        model: a preset name, a config.json path or a ``ModelConfig``.
+        world_size, hbm, seq_length, global_batch_size: N GPUs of ``hbm`` (e.g. "80GiB"),
+            s tokens per sequence, G sequences per step.
+        space: the ``SearchSpace`` (default ``SearchSpace()``).
+        workers: worker processes (default: every core, ``os.cpu_count()``); 1 runs in this
+            process. Ignored by the ray engine.
+        engine: "local" or "ray" (``address``: a Ray cluster, "auto" for the running one;
+            None starts a local instance).
+        cache_dir: a directory for the on-disk trace cache (``tracemem.estimator.TraceCache``).
+        closest: how many of the layouts that do not fit to estimate in full (the closest by
+            their lower bound), to say by how much each is over.
+        progress: called with ``{"done", "total", "computed", "reused", "eta_s"}`` after each
+            group of layouts.
+        estimate_kwargs: other ``tracemem.estimate`` keywords, the same for every layout
+            (kernels, kernel_options, attention, precision, non_pytorch_memory, ...).
+
+    Raises:
+        TracememError: invalid input (the flag, the value and a fix), no valid layout in the
+            space, or an unknown engine.
+    """
+    from modeling.config import ModelConfig, load_config
+    from tracemem.estimator import parse_bytes
+
+    start = time.perf_counter()
+    cfg = model if isinstance(model, ModelConfig) else load_config(model)
+    space = space or SearchSpace()
+    hbm_bytes = parse_bytes(hbm)
+    if engine not in ENGINES:
+        raise TracememError(f"--engine {engine!r} is invalid; choose one of "
+                            f"{', '.join(ENGINES)}")
+    if workers is None:
+        workers = os.cpu_count() or 1
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers <= 0:
+        raise TracememError(f"--workers {workers!r} must be a positive integer")
+    if isinstance(closest, bool) or not isinstance(closest, int) or closest < 0:
+        raise TracememError(f"--closest {closest!r} must be 0 or a positive integer")
+    if engine == "local" and address is not None:
+        raise TracememError("--address applies to --engine ray; drop it or add --engine ray")
+    unknown = sorted(set(estimate_kwargs) & {"tp", "sp", "cp", "ep", "etp", "pp", "vpp",
+                                             "zero", "micro_batch_size", "num_microbatches",
+                                             "recompute", "schedule_name", "trace_cache",
+                                             "screen", "snapshot", "plot", "pp_layout"})
+    if unknown:
+        raise TracememError(f"fit: {unknown[0]!r} is a search-space dimension or not for a "
+                            f"sweep; give it in space")
+    layouts, rejected = enumerate_layouts(cfg, world_size, seq_length, global_batch_size,
+                                          space)
+    if not layouts:
+        reasons = "; ".join(f"{n} x {why}" for why, n in
+                            sorted(rejected.items(), key=lambda kv: -kv[1])[:3])
+        raise TracememError(f"no valid layout of {cfg.name} on {world_size} GPUs in the search "
+                            f"space ({reasons}); widen the space flags")
+    job = dict(model=model if isinstance(model, str) else cfg, world_size=world_size,
+               seq_length=seq_length, hbm=hbm, cache_dir=cache_dir,
+               run=f"{os.getpid()}-{time.time_ns()}", **estimate_kwargs)
+    # the fixed keywords checked once, here, before any worker starts (one-line errors)
+    from tracemem.estimator import TraceCache, estimate
+
+    try:
+        estimate(cfg, **{k: v for k, v in job.items() if k not in ("cache_dir", "run", "model")},
+                 **layouts[0].estimate_kwargs(), trace_cache=_CHECK_ONLY, screen=True)
+    except _Validated:
+        pass
+    if cache_dir is not None:
+        TraceCache(cache_dir)  # the directory made, or a one-line error
+    counts = {"computed": 0, "reused": 0, "loaded": 0}
+    rows: list[FitRow] = []
+    total = [len(layouts)]
+
+    def report(group_rows, group_counts):
+        rows.extend(group_rows)
+        for key in counts:
+            counts[key] += group_counts[key]
+        if progress:
+            elapsed = time.perf_counter() - start
+            eta = elapsed / len(rows) * (total[0] - len(rows)) if rows else None
+            progress({"done": len(rows), "total": total[0], "computed": counts["computed"],
+                      "reused": counts["reused"] + counts["loaded"], "eta_s": eta})
+
+    runner = _Engine(engine, min(workers, len(layouts)), address)
+    try:
+        size = max(1, -(-len(layouts) // (4 * runner.workers)))
+        runner.run(job, _groups(layouts, size), True, report)
+        order = {layout: i for i, layout in enumerate(layouts)}
+        rows.sort(key=lambda r: order[r.layout])
+        screened_rows = list(rows)
+        over = sorted((r for r in rows if not r.fits), key=lambda r: r.needed_bytes)[:closest]
+        rows.clear()
+        total[0] += len(over)
+        runner.run(job, [[r.layout] for r in over], False, report)
+        exact = sorted(rows, key=lambda r: r.needed_bytes)
+    finally:
+        runner.close()
+    from tracemem.formulas.cost import rank_key
+
+    fitting = sorted((r for r in screened_rows if r.fits),
+                     key=lambda r: rank_key(r.bubble, r.comm_bytes))
+    rest = [r for r in screened_rows if not r.fits]
+    return FitResult(cfg.name, world_size, hbm_bytes, seq_length, global_batch_size,
+                     fitting + rest, exact, rejected, counts, time.perf_counter() - start,
+                     1 if engine == "ray" else runner.workers, engine, dict(estimate_kwargs))
+
+
+_DIMENSIONS = {"tp": int, "sp": "onoff", "cp": int, "ep": int, "etp": int, "pp": int,
+               "vpp": int, "micro_batch_size": int, "recompute": str, "zero": int,
+               "schedule": str}
+
+
+def search_space(**values: str | None) -> SearchSpace:
+    """A ``SearchSpace`` from the command line's comma-separated strings (``tp="1,2,4"``,
+    ``sp="on,off"``, ``pp_ends="all"``); None keeps a dimension's default.
+
+    Raises:
+        TracememError: an unknown dimension, a value that is not of the dimension's kind, or
+            one the dimension does not take (``SearchSpace``).
+    """
+    kwargs: dict[str, Any] = {}
+    for name, text in values.items():
+        if text is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "pp_ends":
+            kwargs[name] = text
+            continue
+        if name not in _DIMENSIONS:
+            raise TracememError(f"search_space: unknown dimension {name!r}; valid: "
+                                f"{', '.join(_DIMENSIONS)}, pp_ends")
+        if not isinstance(text, str):
+            raise TracememError(f"{flag} {text!r} must be comma-separated values, e.g. 1,2,4")
+        items = [part.strip() for part in text.split(",") if part.strip()]
+        kind = _DIMENSIONS[name]
+        parsed: list[Any] = []
+        for item in items:
+            if kind is int:
+                if not item.isascii() or not item.isdigit():
+                    raise TracememError(f"{flag} value {item!r} is not a non-negative integer; "
+                                        f"give comma-separated integers, e.g. 1,2,4")
+                parsed.append(int(item))
+            elif kind == "onoff":
+                if item not in ("on", "off"):
+                    raise TracememError(f"{flag} value {item!r} is invalid; give on, off or "
+                                        f"on,off")
+                parsed.append(item == "on")
+            else:
+                parsed.append(item)
+        kwargs[name] = tuple(dict.fromkeys(parsed))
+    return SearchSpace(**kwargs)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def _pp_text(layout: Layout) -> str:
+    if layout.pp_first_stage_layers is None:
+        return str(layout.pp)
+    return f"{layout.pp} ({layout.pp_first_stage_layers}/../{layout.pp_last_stage_layers})"
+
+
+def _table_row(row: FitRow, over: bool = False) -> list:
+    lay = row.layout
+    out = [lay.tp, "on" if lay.sp else "-", lay.cp, lay.ep, lay.etp, _pp_text(lay), lay.vpp,
+           lay.micro_batch_size, lay.num_microbatches, lay.recompute, lay.zero, lay.schedule,
+           _gib(row.needed_bytes), row.worst_pp_stage]
+    if over:
+        return out + [_gib(-row.headroom_bytes)]
+    return out + [_gib(row.headroom_bytes), f"{row.bubble:.3f}", _gib(row.comm_bytes)]
+
+
+_HEAD = ["TP", "SP", "CP", "EP", "ETP", "PP (first/../last)", "VPP", "b", "M", "recompute",
+         "ZeRO", "schedule", "needs GiB", "at stage"]
+
+
+def format_fit(result: FitResult, top: int = 20) -> str:
+    """The fitting layouts ranked by cost (the first ``top``), the closest that do not fit
+    and by how much, and a summary of the run (GiB = 2^30 B)."""
+    from tabulate import tabulate
+
+    hbm = _gib(result.hbm_bytes)
+    fitting = result.fitting
+    lines = [f"{result.model} on {result.world_size} GPUs of {hbm} GiB, s={result.seq_length}, "
+             f"global batch {result.global_batch_size} sequences: {len(result.rows)} valid "
+             f"layouts estimated, {len(fitting)} fit", ""]
+    if fitting:
+        shown = fitting[:top]
+        lines.append(f"Layouts that fit, ranked by cost (bubble fraction, then communication "
+                     f"bytes per step){'' if len(shown) == len(fitting) else f'; the best {len(shown)} of {len(fitting)}'}:")
+        lines.append(tabulate([[i + 1] + _table_row(r) for i, r in enumerate(shown)],
+                              headers=["#"] + _HEAD + ["headroom GiB", "bubble",
+                                                       "comm GiB/step"],
+                              disable_numparse=True))
+        lines.append(f"best: tracemem estimate --model {result.model} --world-size "
+                     f"{result.world_size} --seq-length {result.seq_length} "
+                     f"{shown[0].flags} --hbm {hbm}GiB")
+    else:
+        lines.append(f"No layout in the search space fits in {hbm} GiB.")
+    if result.closest:
+        lines += ["", "Closest layouts that do not fit (estimated in full), and by how much:"]
+        lines.append(tabulate([_table_row(r, over=True) for r in result.closest],
+                              headers=_HEAD + ["over by GiB"], disable_numparse=True))
+    t = result.traces
+    asked = t["computed"] + t["reused"] + t["loaded"]
+    reused = t["reused"] + t["loaded"]
+    lines += ["", "needs: the most any rank needs, its reserved peak (simulated CUDA caching "
+                  "allocator) + non-PyTorch memory, at that pipeline stage; headroom: "
+                  f"{hbm} GiB minus that. bubble: idle / compute time of the schedule; comm: "
+                  "TP + EP + CP bytes a rank of the busiest stage sends per step "
+                  "(tracemem/formulas/cost.py, each term cited).",
+              f"Rank-class traces: {asked} needed, {t['computed']} computed, {reused} reused "
+              f"({reused / asked:.0%})" + (f", {t['loaded']} of them from --cache-dir"
+                                           if t["loaded"] else "") +
+              f"; {result.seconds:.1f} s on {result.workers} "
+              f"{'Ray' if result.engine == 'ray' else 'local'} worker"
+              f"{'s' if result.workers != 1 else ''}."]
+    if result.rejected:
+        skipped = sum(result.rejected.values())
+        top_reasons = sorted(result.rejected.items(), key=lambda kv: -kv[1])[:3]
+        lines.append(f"Not valid, skipped: {skipped} candidates; the most common reasons: " +
+                     "; ".join(f"{why} ({n})" for why, n in top_reasons) + ".")
+    return "\n".join(lines)
+
+
+def fit_records(result: FitResult) -> list[dict[str, Any]]:
+    """Every row as a flat dict (bytes as int): the estimated layouts, then the closest
+    non-fitting ones again with ``exact`` True (estimated in full)."""
+    out = []
+    for exact, rows in ((False, result.rows), (True, result.closest)):
+        for row in rows:
+            record = row.as_dict()
+            record["exact"] = exact or not row.screened
+            out.append(record)
+    return out
+
+
+def format_fit_json(result: FitResult) -> str:
+    import json
+
+    return json.dumps({
+        "model": result.model, "world_size": result.world_size,
+        "hbm_bytes": result.hbm_bytes, "seq_length": result.seq_length,
+        "global_batch_size": result.global_batch_size, "traces": result.traces,
+        "seconds": result.seconds, "workers": result.workers, "engine": result.engine,
+        "rejected": result.rejected, "rows": fit_records(result)}, indent=1)
+
+
+def format_fit_csv(result: FitResult) -> str:
+    import csv
+    import io
+
+    records = fit_records(result)
+    buffer = io.StringIO()
+    if records:
+        writer = csv.DictWriter(buffer, fieldnames=list(records[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(records)
+    return buffer.getvalue().rstrip("\n")
