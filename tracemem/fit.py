@@ -394,7 +394,7 @@ def _run_group(job: dict[str, Any], layouts: list[Layout], screen: bool = True
                ) -> tuple[list[FitRow], dict[str, int]]:
     """Estimate ``layouts`` (one trace family) in this process: the rows, and this call's
     trace counts. ``job``: ``fit``'s fixed ``estimate`` keywords, ``cache_dir`` and ``run``."""
-    from modeling.config import load_config
+    from modeling import load_config
     from tracemem.estimator import estimate
     from tracemem.parallel import ParallelConfig
 
@@ -541,7 +541,7 @@ def fit(model, *, world_size: int, hbm: str, seq_length: int, global_batch_size:
         TracememError: invalid input (the flag, the value and a fix), no valid layout in the
             space, or an unknown engine.
     """
-    from modeling.config import ModelConfig, load_config
+    from modeling import ModelConfig, load_config
     from tracemem.estimator import parse_bytes
 
     start = time.perf_counter()

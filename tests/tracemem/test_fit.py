@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from modeling.config import load_config
+from modeling import load_config
 from tracemem.cli import main
 from tracemem.errors import TracememError
 from tracemem.estimator import TraceCache, estimate
