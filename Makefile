@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,megatron]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,megatron,ray]'
 	touch $(STAMP)
 
 # The main job: DeepSeek-V3 on 1024 GPUs (TP 2 + SP, PP 16, EP 8), b=1, s=4096, 16 microbatches,

@@ -296,9 +296,10 @@ class FitRow:
             allocated peak + non-PyTorch memory, at least what it needs).
         worst_pp_stage: the pipeline stage of that rank; peak_bytes: its allocated peak.
         headroom_bytes: hbm - needed (negative: over by that much; screened: at least).
-        bubble: pipeline bubble fraction; comm_bytes: TP + EP + CP bytes a rank of the
-            busiest stage sends per step (``tracemem.formulas.cost``); tp / ep / cp_bytes: the
-            parts.
+        bubble: pipeline bubble fraction; recompute_overhead: extra compute of the recompute
+            mode; cost: step time over ideal compute, (1 + recompute) x (1 + bubble);
+            comm_bytes: TP + EP + CP bytes a rank of the busiest stage sends per step
+            (``tracemem.formulas.cost``); tp / ep / cp_bytes: the parts.
         traces_computed, traces_reused: rank-class traces made for this layout, and taken from
             the cache (memory or disk).
     """
@@ -312,6 +313,8 @@ class FitRow:
     peak_bytes: int
     headroom_bytes: int
     bubble: float
+    recompute_overhead: float
+    cost: float
     comm_bytes: int
     tp_bytes: int
     ep_bytes: int
@@ -396,6 +399,7 @@ def _run_group(job: dict[str, Any], layouts: list[Layout], screen: bool = True
     trace counts. ``job``: ``fit``'s fixed ``estimate`` keywords, ``cache_dir`` and ``run``."""
     from modeling import load_config
     from tracemem.estimator import estimate
+    from tracemem.formulas.cost import recompute_overhead, step_cost
     from tracemem.parallel import ParallelConfig
 
     job = dict(job)
@@ -415,6 +419,7 @@ def _run_group(job: dict[str, Any], layouts: list[Layout], screen: bool = True
         par = ParallelConfig.create(cfg, world_size=job["world_size"], **{
             k: v for k, v in kwargs.items() if k in _LAYOUT_KEYS})
         bubble, comm, tp_b, ep_b, cp_b = layout_cost(cfg, par, layout, job["seq_length"])
+        overhead = recompute_overhead(layout.recompute, job["seq_length"], cfg.hidden_size)
         end = cache.counts()
         rows.append(FitRow(
             layout, layout.flags(),
@@ -422,7 +427,8 @@ def _run_group(job: dict[str, Any], layouts: list[Layout], screen: bool = True
             screened=result.screened, needed_bytes=needed[worst],
             worst_pp_stage=result.ranks[worst].pp_stage,
             peak_bytes=result.ranks[worst].peak_bytes,
-            headroom_bytes=result.hbm_bytes - needed[worst], bubble=bubble, comm_bytes=comm,
+            headroom_bytes=result.hbm_bytes - needed[worst], bubble=bubble,
+            recompute_overhead=overhead, cost=step_cost(bubble, overhead), comm_bytes=comm,
             tp_bytes=tp_b, ep_bytes=ep_b, cp_bytes=cp_b,
             traces_computed=end["computed"] - start["computed"],
             traces_reused=(end["reused"] + end["loaded"]) - (start["reused"] + start["loaded"])))
@@ -448,16 +454,14 @@ _LAYOUT_KEYS = ("tp", "sp", "cp", "ep", "etp", "pp", "vpp", "zero", "pp_first_st
                 "pp_last_stage_layers")
 
 
-def _groups(layouts: Iterable[Layout], size: int) -> list[list[Layout]]:
-    """Layouts by trace family (``Layout.family``), each family split into lists of at most
-    ``size`` (so many workers share a large family's work, each tracing it once)."""
+def _groups(layouts: Iterable[Layout]) -> list[list[Layout]]:
+    """Layouts by trace family (``Layout.family``): each family goes to one worker, which
+    traces its rank classes once; the largest families first, so the long tasks start
+    early."""
     families: dict[tuple, list[Layout]] = {}
     for layout in layouts:
         families.setdefault(layout.family(), []).append(layout)
-    out = []
-    for members in families.values():
-        out += [members[i:i + size] for i in range(0, len(members), size)]
-    return out
+    return sorted(families.values(), key=len, reverse=True)
 
 
 class _Engine:
@@ -590,20 +594,22 @@ def fit(model, *, world_size: int, hbm: str, seq_length: int, global_batch_size:
     rows: list[FitRow] = []
     total = [len(layouts)]
 
+    done = [0]
+
     def report(group_rows, group_counts):
         rows.extend(group_rows)
+        done[0] += len(group_rows)
         for key in counts:
             counts[key] += group_counts[key]
         if progress:
             elapsed = time.perf_counter() - start
-            eta = elapsed / len(rows) * (total[0] - len(rows)) if rows else None
-            progress({"done": len(rows), "total": total[0], "computed": counts["computed"],
+            eta = elapsed / done[0] * (total[0] - done[0])
+            progress({"done": done[0], "total": total[0], "computed": counts["computed"],
                       "reused": counts["reused"] + counts["loaded"], "eta_s": eta})
 
     runner = _Engine(engine, min(workers, len(layouts)), address)
     try:
-        size = max(1, -(-len(layouts) // (4 * runner.workers)))
-        runner.run(job, _groups(layouts, size), True, report)
+        runner.run(job, _groups(layouts), True, report)
         order = {layout: i for i, layout in enumerate(layouts)}
         rows.sort(key=lambda r: order[r.layout])
         screened_rows = list(rows)
@@ -617,7 +623,7 @@ def fit(model, *, world_size: int, hbm: str, seq_length: int, global_batch_size:
     from tracemem.formulas.cost import rank_key
 
     fitting = sorted((r for r in screened_rows if r.fits),
-                     key=lambda r: rank_key(r.bubble, r.comm_bytes))
+                     key=lambda r: rank_key(r.cost, r.comm_bytes))
     rest = [r for r in screened_rows if not r.fits]
     return FitResult(cfg.name, world_size, hbm_bytes, seq_length, global_batch_size,
                      fitting + rest, exact, rejected, counts, time.perf_counter() - start,
@@ -687,7 +693,8 @@ def _table_row(row: FitRow, over: bool = False) -> list:
            _gib(row.needed_bytes), row.worst_pp_stage]
     if over:
         return out + [_gib(-row.headroom_bytes)]
-    return out + [_gib(row.headroom_bytes), f"{row.bubble:.3f}", _gib(row.comm_bytes)]
+    return out + [_gib(row.headroom_bytes), f"{row.cost:.3f}", f"{row.bubble:.3f}",
+                  f"{row.recompute_overhead:.3f}", _gib(row.comm_bytes)]
 
 
 _HEAD = ["TP", "SP", "CP", "EP", "ETP", "PP (first/../last)", "VPP", "b", "M", "recompute",
@@ -706,15 +713,15 @@ def format_fit(result: FitResult, top: int = 20) -> str:
              f"layouts estimated, {len(fitting)} fit", ""]
     if fitting:
         shown = fitting[:top]
-        lines.append(f"Layouts that fit, ranked by cost (bubble fraction, then communication "
-                     f"bytes per step){'' if len(shown) == len(fitting) else f'; the best {len(shown)} of {len(fitting)}'}:")
+        lines.append(f"Layouts that fit, ranked by cost (step time over ideal compute), then "
+                     f"communication bytes per step{'' if len(shown) == len(fitting) else f'; the best {len(shown)} of {len(fitting)}'}:")
         lines.append(tabulate([[i + 1] + _table_row(r) for i, r in enumerate(shown)],
-                              headers=["#"] + _HEAD + ["headroom GiB", "bubble",
-                                                       "comm GiB/step"],
+                              headers=["#"] + _HEAD + ["headroom GiB", "cost", "bubble",
+                                                       "recompute", "comm GiB/step"],
                               disable_numparse=True))
         lines.append(f"best: tracemem estimate --model {result.model} --world-size "
                      f"{result.world_size} --seq-length {result.seq_length} "
-                     f"{shown[0].flags} --hbm {hbm}GiB")
+                     f"{shown[0].flags} --hbm {result.hbm_bytes / 2**30:g}GiB")
     else:
         lines.append(f"No layout in the search space fits in {hbm} GiB.")
     if result.closest:
@@ -726,9 +733,11 @@ def format_fit(result: FitResult, top: int = 20) -> str:
     reused = t["reused"] + t["loaded"]
     lines += ["", "needs: the most any rank needs, its reserved peak (simulated CUDA caching "
                   "allocator) + non-PyTorch memory, at that pipeline stage; headroom: "
-                  f"{hbm} GiB minus that. bubble: idle / compute time of the schedule; comm: "
-                  "TP + EP + CP bytes a rank of the busiest stage sends per step "
-                  "(tracemem/formulas/cost.py, each term cited).",
+                  f"{hbm} GiB minus that. cost = (1 + recompute) x (1 + bubble): bubble, the "
+                  "schedule's idle / compute time; recompute, the extra compute of the "
+                  "recompute mode; comm: TP + EP + CP bytes a rank of the busiest stage sends "
+                  "per step, assumed hidden, a tie-breaker (tracemem/formulas/cost.py, each "
+                  "term cited).",
               f"Rank-class traces: {asked} needed, {t['computed']} computed, {reused} reused "
               f"({reused / asked:.0%})" + (f", {t['loaded']} of them from --cache-dir"
                                            if t["loaded"] else "") +

@@ -2,11 +2,20 @@
 prediction of step time. Two figures per layout, each a closed form with its source:
 
 - the pipeline bubble fraction of the schedule: idle time over compute time per step;
+- the recompute overhead: extra compute over the step's compute;
 - the communication bytes one rank sends per training step over TP / SP, EP and CP
   (per-layer volumes times the layers of the busiest pipeline stage times the microbatches).
 
-Units: bytes are int; activations travel in bf16 (2 bytes). ``fit`` ranks by the bubble
-fraction, then by the bytes (``rank_key``).
+Units: bytes are int; activations travel in bf16 (2 bytes). ``fit`` ranks by the step time
+as a multiple of its ideal compute time, (1 + recompute overhead) x (1 + bubble fraction),
+then by the bytes (``rank_key``): communication is assumed hidden behind compute, and
+breaks ties.
+
+Recompute overhead, with a layer's forward FLOPs 24 b s h^2 + 4 b s^2 h (Narayanan et al. 2021,
+section 5.1, eq. (3)'s terms) and backward twice the forward, so a step is three forwards:
+full recompute runs every forward again, 1 / 3; selective recompute (core attention, Korthikanti
+et al. 2022 section 5) runs its 4 b s^2 h again, 4 b s^2 h / (3 (24 b s h^2 + 4 b s^2 h))
+= s / (18 h + 3 s); none, 0.
 
 Bubble time, in units where one stage's forward chunk takes F = 1, its input-gradient
 backward B_in = 1 and its weight-gradient backward W = 1 (Qi et al. 2023, "Zero Bubble
@@ -47,7 +56,8 @@ all-gather (per step, not per microbatch), overlap of communication with compute
 
 from __future__ import annotations
 
-__all__ = ["BF16", "bubble_fraction", "tp_bytes", "ep_bytes", "cp_bytes", "rank_key"]
+__all__ = ["BF16", "bubble_fraction", "recompute_overhead", "tp_bytes", "ep_bytes",
+           "cp_bytes", "step_cost", "rank_key"]
 
 BF16 = 2  # bytes per activation element
 
@@ -74,6 +84,22 @@ def bubble_fraction(schedule: str, pp: int, vpp: int, m: int) -> float:
     raise ValueError(f"no bubble formula for schedule {schedule!r}")
 
 
+def recompute_overhead(recompute: str, s: int, h: int) -> float:
+    """Extra compute of ``recompute`` ("none", "selective", "full") over a step's compute, for
+    sequence length ``s`` and hidden size ``h`` (the module docstring's rows).
+
+    Raises:
+        ValueError: an unknown recompute mode.
+    """
+    if recompute == "none":
+        return 0.0
+    if recompute == "full":
+        return 1 / 3
+    if recompute == "selective":
+        return s / (18 * h + 3 * s)
+    raise ValueError(f"no overhead formula for recompute {recompute!r}")
+
+
 def tp_bytes(b: int, s: int, h: int, tp: int, cp: int = 1) -> int:
     """TP / SP bytes one rank sends per layer and microbatch (forward and backward):
     8 (t - 1) / t * b (s / c) h * 2 (Korthikanti et al. 2022, section 4.2.2)."""
@@ -94,7 +120,12 @@ def cp_bytes(b: int, s: int, heads: int, d_qk: int, d_v: int, tp: int, cp: int) 
     return 3 * (cp - 1) * b * (s // cp) * (heads // tp) * (d_qk + d_v) * BF16
 
 
-def rank_key(bubble: float, comm_bytes: int) -> tuple[float, int]:
-    """The order of ``fit``'s table: the smaller bubble fraction first (rounded to 1e-6 so
+def step_cost(bubble: float, recompute: float) -> float:
+    """Step time over ideal compute time: (1 + recompute overhead) x (1 + bubble)."""
+    return (1 + recompute) * (1 + bubble)
+
+
+def rank_key(cost: float, comm_bytes: int) -> tuple[float, int]:
+    """The order of ``fit``'s table: the smaller ``step_cost`` first (rounded to 1e-6 so
     float noise does not decide), then the fewer bytes sent per step."""
-    return (round(bubble, 6), comm_bytes)
+    return (round(cost, 6), comm_bytes)

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from tracemem.formulas.cost import bubble_fraction, cp_bytes, ep_bytes, rank_key, tp_bytes
+from tracemem.formulas.cost import (
+    bubble_fraction,
+    cp_bytes,
+    ep_bytes,
+    rank_key,
+    recompute_overhead,
+    step_cost,
+    tp_bytes,
+)
 
 
 def test_bubble_fractions():
@@ -34,3 +42,13 @@ def test_communication_bytes():
     # CP 2, TP 1, 128 heads, d_qk 192, d_v 128: 3 x 1 x 2048 x 128 x 320 x 2 B
     assert cp_bytes(1, 4096, 128, 192, 128, 1, 2) == 3 * 2048 * 128 * 320 * 2
     assert rank_key(0.1 + 0.2, 5) == rank_key(0.3, 5)
+
+
+def test_recompute_overhead_and_step_cost():
+    assert recompute_overhead("none", 4096, 7168) == 0
+    assert recompute_overhead("full", 4096, 7168) == 1 / 3
+    # s = 4096, h = 7168: 4 b s^2 h / (3 (24 b s h^2 + 4 b s^2 h)) = 4096 / (18 x 7168 + 3 x 4096)
+    assert recompute_overhead("selective", 4096, 7168) == 4096 / (129024 + 12288)
+    with pytest.raises(ValueError, match="no overhead formula"):
+        recompute_overhead("some", 1, 1)
+    assert step_cost(0.5, 1 / 3) == pytest.approx(2.0)
