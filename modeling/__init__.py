@@ -16,7 +16,7 @@ import importlib
 __all__ = ["load_config", "ModelConfig", "PRESETS", "build_model"]
 
 _LAZY = {"load_config": "modeling.registry", "PRESETS": "modeling.registry",
-         "ModelConfig": "modeling.families.deepseek.config",
+         "ModelConfig": "modeling.common.config",
          "build_model": "modeling.common.model"}
 
 

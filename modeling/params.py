@@ -8,7 +8,7 @@ the parameter), never its name.
 
 from __future__ import annotations
 
-from modeling.families.deepseek.config import ModelConfig
+from modeling.common.config import ModelConfig
 from modeling.common.model import Transformer
 from modeling.parallel.groups import declared_tensors
 

@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES,
                       default=None,
                       help="modules recomputed under --recompute selective (default core_attn; "
-                           "DeepSeek-V3 recomputes layernorm mla_up_proj)")
+                           "DeepSeek-V3 recomputes layernorm mla_up_proj; mla_up_proj: MLA "
+                           "models only)")
     step.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
                       help="attention kernel: flash keeps output and logsumexp, eager the s x s "
                            "scores (default %(default)s)")
@@ -287,7 +288,10 @@ def _add_replace_flag(parser: argparse.ArgumentParser) -> None:
 def _add_model_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="a preset (deepseek-v3, deepseek-v2, deepseek-v2-lite, "
-                             "deepseek-tiny) or the path of a Hugging Face config.json")
+                             "deepseek-tiny, llama-3-8b, llama-3-70b, llama-3.1-405b, "
+                             "qwen2.5-14b, ...: modeling.PRESETS) or the path of a Hugging "
+                             "Face config.json (model_type deepseek_v2, deepseek_v3, llama, "
+                             "qwen2, qwen3)")
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:

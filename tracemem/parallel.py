@@ -289,7 +289,17 @@ class ParallelConfig:
         if heads % self.tp:
             raise TracememError(f"--tp {self.tp} must divide num_attention_heads ({heads}); "
                                 f"try {divisors_hint(heads)}")
+        groups = model_cfg.num_key_value_heads
+        if model_cfg.attention == "gqa" and groups % self.tp:
+            # Megatron-Core d98e8a6 (attention.py Attention.__init__) also runs fewer query
+            # groups than TP by all-gathering linear_qkv's output; tracemem does not model it
+            raise TracememError(f"--tp {self.tp} must divide num_key_value_heads ({groups}): "
+                                f"Megatron splits the query groups over TP; try "
+                                f"{divisors_hint(groups)}")
         experts = model_cfg.num_routed_experts
+        if not experts and (self.ep > 1 or self.etp > 1):
+            raise TracememError(f"--ep {self.ep} --etp {self.etp}: {model_cfg.name} is dense "
+                                f"(no routed experts); use --ep 1 --etp 1")
         if experts % self.ep:
             raise TracememError(f"--ep {self.ep} must divide n_routed_experts ({experts}); "
                                 f"try {divisors_hint(experts)}")

@@ -1,15 +1,16 @@
-"""A decoder layer: ``x + attn(attn_norm(x))``, then ``+ ffn(ffn_norm(x))`` where the FFN is
-a dense SwiGLU MLP for the first ``first_k_dense_replace`` layers and an MoE after
-(DeepSeek-V3 ``Block``)."""
+"""A decoder layer: ``x + attn(attn_norm(x))``, then ``+ ffn(ffn_norm(x))``. The attention is
+MLA or grouped-query (``cfg.attention``); the FFN is the dense MLP, or an MoE in the layers
+``cfg.is_moe_layer`` names (DeepSeek-V3 ``Block``; torchtitan's ``TransformerBlock``)."""
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from modeling.families.deepseek.config import ModelConfig
+from modeling.common.config import ModelConfig
 from modeling.common.custom import LayerContext, Replacements, build_replacement
 from modeling.kernels import KernelProfile, get_profile
+from modeling.common.attention.gqa import GQA
 from modeling.common.attention.mla import MLA
 from modeling.common.mlp import MLP
 from modeling.common.moe import MoE
@@ -22,8 +23,8 @@ __all__ = ["Block", "RECOMPUTE_MODES", "RECOMPUTE_MODULES"]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 # Megatron-LM's --recompute-modules names (megatron/core/transformer/transformer_config.py):
-# core attention, MLA up projections (with RoPE and core attention), the RMSNorms, the dense
-# MLP, the whole MoE layer.
+# core attention, MLA up projections (with RoPE and core attention; MLA only), the RMSNorms,
+# the dense MLP, the whole MoE layer.
 RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "mlp", "moe")
 
 
@@ -32,10 +33,12 @@ class Block(nn.Module):
     model's per-layer counts), with the local ``sizes`` of one rank (default unsharded) and
     the ``kernels`` profile (``modeling.kernels``; default eager). Under ``megatron-te`` the
     dense layers fuse the pre-MLP RMSNorm into fc1 (Megatron-Core's TE spec: ``pre_mlp_layernorm``
-    is ``IdentityOp`` for dense layers, megatron/core/models/gpt/gpt_layer_specs.py).
-    Input and output ``(b, s, h)``. ``replace`` (``modeling.common.custom``): the user's factories
-    for "attn" and "mlp" (the dense FFN), called with a ``LayerContext`` (``rank``: this
-    rank's coordinates, or None)."""
+    is ``IdentityOp`` for dense layers, megatron/core/models/gpt/gpt_layer_specs.py), and
+    grouped-query attention fuses the input RMSNorm into ``linear_qkv`` (the same spec's
+    ``input_layernorm`` is ``IdentityOp`` beside ``TELayerNormColumnParallelLinear``; MLA's
+    spec keeps a separate ``TENorm``). Input and output ``(b, s, h)``. ``replace``
+    (``modeling.common.custom``): the user's factories for "attn" and "mlp" (the dense FFN),
+    called with a ``LayerContext`` (``rank``: this rank's coordinates, or None)."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig, attention: str = "flash",
                  experts: str = "grouped", sizes: LocalSizes | None = None,
@@ -52,8 +55,11 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, kernels=kernels)
         if "attn" in replace:
             self.attn = build_replacement(replace["attn"], "attn", ctx)
-        else:
+        elif cfg.is_mla:
             self.attn = MLA(cfg, attention, sizes.num_heads, sizes.replicate_q_rope, sizes.sp,
+                            sizes.cp, kernels)
+        else:
+            self.attn = GQA(cfg, attention, sizes.num_heads, sizes.num_kv_heads, sizes.sp,
                             sizes.cp, kernels)
         self.ffn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, kernels=kernels)
         if cfg.is_moe_layer(layer_id):
@@ -64,7 +70,8 @@ class Block(nn.Module):
         elif "mlp" in replace:
             self.ffn = build_replacement(replace["mlp"], "mlp", ctx)
         else:
-            self.ffn = MLP(cfg.hidden_size, sizes.dense_inter, sizes.sp, kernels)
+            self.ffn = MLP(cfg.hidden_size, sizes.dense_inter, sizes.sp, kernels,
+                           activation=cfg.hidden_act, gated=cfg.gated_mlp, bias=cfg.mlp_bias)
 
     def set_recompute(self, recompute: str, modules: frozenset[str] = frozenset()) -> None:
         """``"none"``; ``"full"``: the whole layer is recomputed in backward (Megatron's
@@ -72,7 +79,7 @@ class Block(nn.Module):
         (``RECOMPUTE_MODULES``) are. Uses ``torch.utils.checkpoint`` (non-reentrant).
 
         Raises:
-            TracememError: unknown mode or module.
+            TracememError: unknown mode or module; ``mla_up_proj`` for a model without MLA.
         """
         if recompute not in RECOMPUTE_MODES:
             raise TracememError(f"--recompute {recompute!r} is invalid; choose one of "
@@ -81,6 +88,13 @@ class Block(nn.Module):
         if unknown:
             raise TracememError(f"--recompute-modules {', '.join(sorted(unknown))} is invalid; "
                                 f"choose from {', '.join(RECOMPUTE_MODULES)}")
+        if "mla_up_proj" in modules and recompute == "selective" \
+                and not isinstance(self.attn, MLA):
+            kind = ("grouped-query attention" if isinstance(self.attn, GQA) else
+                    f"attention {type(self.attn).__name__}")
+            raise TracememError(
+                f"--recompute-modules mla_up_proj applies to MLA (DeepSeek) only; this model has "
+                f"{kind}: use core_attn (or layernorm, mlp)")
         self.recompute = recompute
         self.recompute_modules = frozenset(modules) if recompute == "selective" else frozenset()
         self.attn.recompute = self.recompute_modules & {"core_attn", "mla_up_proj"}
@@ -91,7 +105,10 @@ class Block(nn.Module):
         return self._forward(x, routing)
 
     def _forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
-        x = x + self.attn(self._norm(self.attn_norm, x))
+        if self.kernels.orchestration == "megatron" and isinstance(self.attn, GQA):
+            x = x + self.attn(x, self.attn_norm)  # norm fused into linear_qkv
+        else:
+            x = x + self.attn(self._norm(self.attn_norm, x))
         if self.kernels.orchestration == "megatron" and isinstance(self.ffn, MLP):
             run = lambda x: self.ffn(x, self.ffn_norm)  # noqa: E731  (norm fused into fc1)
             if "mlp" in self.recompute_modules:

@@ -17,8 +17,8 @@ __all__ = ["Linear"]
 
 
 class Linear(nn.Linear):
-    """``nn.Linear(in_features, out_features, bias=False)`` whose weight is left uninitialised
-    (``torch.empty``). Input ``(..., in_features)``, output ``(..., out_features)``.
+    """``nn.Linear(in_features, out_features, bias)`` whose weight (and bias) are left
+    uninitialised (``torch.empty``). Input ``(..., in_features)``, output ``(..., out_features)``.
 
     ``kernels`` (a ``modeling.kernels`` profile, or None for ``F.linear``): under a Megatron
     profile ``forward(x, mode, sp, norm, fused)`` is a TE linear (``modeling.kernels.linear``):
@@ -48,5 +48,8 @@ class Linear(nn.Linear):
                 norm: nn.Module | None = None, fused: tuple[Linear, ...] = ()) -> Tensor:
         if self.kernels is not None and self.kernels.orchestration == "megatron":
             weights = [self.weight, *(f.weight for f in fused)]
+            biases = [m.bias for m in (self, *fused) if m.bias is not None]
+            if biases:
+                return self.kernels.linear(x, weights, mode, sp, norm, biases)
             return self.kernels.linear(x, weights, mode, sp, norm)
         return F.linear(x, self.weight, self.bias)

@@ -1,8 +1,10 @@
-"""SwiGLU MLP: w2(silu(w1(x)) * w3(x)), the dense FFN of the first layers and the body of
-every routed and shared expert (DeepSeek-V3 ``MLP`` / ``Expert``)."""
+"""The MLP: SwiGLU ``w2(silu(w1(x)) * w3(x))`` (the dense FFN of every family, the body of
+every routed and shared expert: DeepSeek-V3 ``MLP`` / ``Expert``, transformers' ``LlamaMLP``),
+the same gated form with GELU (GeGLU), or the plain GELU MLP ``w2(gelu(w1(x)))`` (GPT-2's)."""
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -11,7 +13,11 @@ from modeling.common.linear import Linear
 from modeling.parallel.collectives import all_gather, reduce_scatter
 from modeling.parallel.groups import ParamGroup
 
-__all__ = ["MLP"]
+__all__ = ["MLP", "ACTIVATIONS"]
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+ACTIVATIONS = tuple(_ACTIVATIONS)
 
 
 class MLP(nn.Module):
@@ -32,22 +38,32 @@ class MLP(nn.Module):
     Groups (``modeling.parallel.groups``), declared here: ``component`` (default "dense_mlp";
     "shared_experts", "routed_experts"), ``kind`` "dense" or "expert", ``ep`` (a routed expert,
     one of the rank's E / EP), ``split``: w1 / w3 column-parallel and w2 row-parallel over TP
-    (ETP for a routed expert), or, False, replicated (arXiv 2502.07846's shared expert)."""
+    (ETP for a routed expert), or, False, replicated (arXiv 2502.07846's shared expert).
+
+    ``activation`` (``ACTIVATIONS``: transformers' ``ACT2FN`` names), ``gated`` (False: no
+    ``w3``, ``w2(act(w1(x)))``) and ``bias`` (biases on every linear: Llama's ``mlp_bias``)
+    select the other forms. Under ``megatron-te`` only SwiGLU runs the fused kernel; the
+    others run Megatron's unfused activation on fc1's output (megatron/core/transformer/
+    mlp.py ``MLP.forward``: ``glu`` chunks fc1's output in two)."""
 
     def __init__(self, dim: int, inter_dim: int, sp: int = 1,
                  kernels: KernelProfile | None = None, shared_overlap: bool = False, *,
                  component: str = "dense_mlp", kind: str = "dense", ep: bool = False,
-                 split: bool = True):
+                 split: bool = True, activation: str = "silu", gated: bool = True,
+                 bias: bool = False):
         super().__init__()
         self.sp = sp
         self.kernels = kernels or get_profile("eager")
         self.shared_overlap = shared_overlap
+        self.act = _ACTIVATIONS[activation]
+        self.swiglu = gated and activation == "silu"
         kern = self.kernels
         fc1 = ParamGroup(component, kind, 0 if split else None, ep)
         fc2 = ParamGroup(component, kind, 1 if split else None, ep)
-        self.w1 = Linear(dim, inter_dim, bias=False, kernels=kern, group=fc1)  # gate projection
-        self.w2 = Linear(inter_dim, dim, bias=False, kernels=kern, group=fc2)  # down projection
-        self.w3 = Linear(dim, inter_dim, bias=False, kernels=kern, group=fc1)  # up projection
+        self.w1 = Linear(dim, inter_dim, bias=bias, kernels=kern, group=fc1)  # gate projection
+        self.w2 = Linear(inter_dim, dim, bias=bias, kernels=kern, group=fc2)  # down projection
+        if gated:
+            self.w3 = Linear(dim, inter_dim, bias=bias, kernels=kern, group=fc1)  # up projection
 
     def forward(self, x: Tensor, norm: nn.RMSNorm | None = None) -> Tensor:
         if self.kernels.orchestration == "megatron":
@@ -55,7 +71,10 @@ class MLP(nn.Module):
         if norm is not None:
             x = norm(x)
         x = all_gather(x, self.sp, dim=1)
-        return reduce_scatter(self.w2(F.silu(self.w1(x)) * self.w3(x)), self.sp, dim=1)
+        hidden = self.act(self.w1(x))
+        if hasattr(self, "w3"):
+            hidden = hidden * self.w3(x)
+        return reduce_scatter(self.w2(hidden), self.sp, dim=1)
 
     def _forward_megatron(self, x: Tensor, norm: nn.RMSNorm | None) -> Tensor:
         swiglu = self.kernels.swiglu
@@ -63,5 +82,12 @@ class MLP(nn.Module):
             x = all_gather(x, self.sp, dim=1)
             out = self.w2(swiglu(self.w1(x, fused=(self.w3,))))  # fc1 = [w1; w3], fc2
             return reduce_scatter(out, self.sp, dim=1)  # post_forward_comm
-        fc1 = self.w1(x, "column", self.sp, norm, fused=(self.w3,))  # (b, s, 2 * inter)
-        return self.w2(swiglu(fc1), "row", self.sp)
+        fused = (self.w3,) if hasattr(self, "w3") else ()
+        fc1 = self.w1(x, "column", self.sp, norm, fused=fused)  # (b, s, 2 * inter)
+        return self.w2(swiglu(fc1) if self.swiglu else self._activate(fc1), "row", self.sp)
+
+    def _activate(self, fc1: Tensor) -> Tensor:
+        if not hasattr(self, "w3"):
+            return self.act(fc1)
+        gate, up = torch.chunk(fc1, 2, dim=-1)  # Megatron's glu
+        return self.act(gate) * up

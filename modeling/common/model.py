@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from modeling.common.block import Block
-from modeling.families.deepseek.config import ModelConfig
+from modeling.common.config import ModelConfig
 from modeling.common.custom import (
     CustomBlock,
     LayerContext,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modeling.families.deepseek.config import ModelConfig
+from modeling.common.config import ModelConfig
 from modeling.kernels import KernelProfile, get_profile
 from modeling.common.mlp import MLP
 from modeling.parallel.collectives import all_gather, all_to_all, reduce_scatter

@@ -42,7 +42,11 @@ _MODES = ("duplicated", "column", "row")
 class _TELinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, mode: str, sp: int, norm_weight: Tensor | None,
-                fuse_wgrad: bool, *weights: Tensor) -> Tensor:
+                fuse_wgrad: bool, num_biases: int, *tensors: Tensor) -> Tensor:
+        # tensors: the weights, then num_biases biases (added in the GEMM's epilogue: no
+        # tensor of their own in forward; backward allocates each bias gradient)
+        weights = tensors[:len(tensors) - num_biases]
+        ctx.biases = tensors[len(weights):]
         ctx.mode, ctx.sp, ctx.fuse_wgrad = mode, sp, fuse_wgrad
         ctx.has_norm = norm_weight is not None
         out_features = sum(w.shape[0] for w in weights)
@@ -84,15 +88,17 @@ class _TELinear(torch.autograd.Function):
         else:
             wgrads = [None if ctx.fuse_wgrad else torch.empty_like(w) for w in weights]
         del in_total, grad_total  # after the wgrad GEMM
+        bgrads = [torch.empty_like(b) for b in ctx.biases]  # grad_bias (bgrad of the GEMM)
         if not ctx.has_norm:
-            return (dgrad, None, None, None, None, *wgrads)
+            return (dgrad, None, None, None, None, None, *wgrads, *bgrads)
         dx = torch.empty_like(x)  # rmsnorm_bwd(dgrad, inputmat, rsigma, ln_weight)
         del dgrad
-        return (dx, None, None, torch.empty_like(norm_weight), None, *wgrads)
+        return (dx, None, None, torch.empty_like(norm_weight), None, None, *wgrads, *bgrads)
 
 
 def te_linear(x: Tensor, weights: list[Tensor], mode: str = "duplicated", sp: int = 1,
-              norm: nn.RMSNorm | None = None, fuse_wgrad: bool = True) -> Tensor:
+              norm: nn.RMSNorm | None = None, fuse_wgrad: bool = True,
+              biases: list[Tensor] = ()) -> Tensor:
     """A TE linear on this rank's ``x`` ``(b, s_local, in)``.
 
     Args:
@@ -103,6 +109,9 @@ def te_linear(x: Tensor, weights: list[Tensor], mode: str = "duplicated", sp: in
             reduce-scattered: ``(b, s / sp, out)``).
         norm: an ``nn.RMSNorm`` fused in front (TE ``LayerNormLinear``), or None.
         fuse_wgrad: Megatron's ``--gradient-accumulation-fusion``.
+        biases: ``(out_i,)`` each, for the weights that have one (``bias=True``: Qwen2's
+            ``linear_qkv``); TE adds them in the GEMM and allocates their gradients in
+            backward (``_Linear.backward``: ``grad_bias``), never under main_grad fusion.
 
     Raises:
         ValueError: unknown mode (an internal error: modules pass constants).
@@ -110,4 +119,4 @@ def te_linear(x: Tensor, weights: list[Tensor], mode: str = "duplicated", sp: in
     if mode not in _MODES:
         raise ValueError(f"mode {mode!r} not in {_MODES}")
     return _TELinear.apply(x, mode, sp, None if norm is None else norm.weight, fuse_wgrad,
-                           *weights)
+                           len(biases), *weights, *biases)

@@ -1,11 +1,11 @@
 """``KernelProfile``: the kernels one training stack runs, as one object the model holds.
 
 A profile has an ``orchestration``, the op order its framework runs around the kernels:
-``"eager"`` (tracemem's own modules: ``modeling.common.attention.mla``, ``mlp``, ``moe``)
-or ``"megatron"`` (Megatron-Core's ``MLASelfAttention``, ``MLP`` / ``SharedExpertMLP``,
-``MoELayer`` with the alltoall dispatcher, at Megatron-LM d98e8a6), and the kernels themselves (``norm``,
-``core_attention``, ``loss``, and for Megatron the TE linears, RoPE, SwiGLU and MoE token
-kernels in this package).
+``"eager"`` (tracemem's own modules: ``modeling.common.attention``, ``mlp``, ``moe``)
+or ``"megatron"`` (Megatron-Core's ``MLASelfAttention`` / ``SelfAttention``, ``MLP`` /
+``SharedExpertMLP``, ``MoELayer`` with the alltoall dispatcher, at Megatron-LM d98e8a6), and
+the kernels themselves (``norm``, ``core_attention``, ``loss``, and for Megatron the TE
+linears, RoPE, SwiGLU and MoE token kernels in this package).
 """
 
 from __future__ import annotations
@@ -94,11 +94,14 @@ class MegatronTEKernels(KernelProfile):
         """TE fused attention on ``(b, s, n, d)`` tensors; returns ``(b, s, n * d_v)``."""
         return attention.te_fused_attention(q, k, v)
 
-    def linear(self, x, weights, mode="duplicated", sp=1, norm_module=None):
-        return linear.te_linear(x, weights, mode, sp, norm_module, self.fuse_wgrad)
+    def linear(self, x, weights, mode="duplicated", sp=1, norm_module=None, biases=()):
+        return linear.te_linear(x, weights, mode, sp, norm_module, self.fuse_wgrad, biases)
 
     def rope(self, t, inv_freq):
         return rope.megatron_rope(t, inv_freq)
+
+    def rope_bshd(self, t, inv_freq):
+        return rope.megatron_rope_bshd(t, inv_freq)
 
     def swiglu(self, y):
         return swiglu.fused_swiglu(y)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling.families.deepseek.config import ModelConfig
+from modeling.common.config import ModelConfig
 from modeling.common.custom import resolve_replacements
 from modeling.kernels import KernelProfile, get_profile
 from modeling.common.model import Transformer, cast_parameters, resolve_experts

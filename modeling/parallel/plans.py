@@ -4,6 +4,11 @@ A plan is data: for each module it says how TP, EP and ETP cut it. ``local_sizes
 a model and a parallel layout into the local sizes the modules are built with.
 
 ``megatron`` follows Megatron-Core:
+- Grouped-query attention (megatron/core/transformer/attention.py ``SelfAttention.__init__``):
+  ``linear_qkv`` (wq, wk, wv and their biases) column-parallel, n_h / TP query heads and
+  num_query_groups / TP key/value heads per rank (``num_query_groups_per_partition``;
+  ``tracemem.ParallelConfig`` refuses TP not dividing the query groups); ``linear_proj``
+  (wo) row-parallel; ``q_layernorm`` / ``k_layernorm`` replicated.
 - MLA (megatron/core/transformer/multi_latent_attention.py, ``MLASelfAttention.__init__``):
   ``linear_q_down_proj`` (wq_a) and ``linear_kv_down_proj`` (wkv_a, with the RoPE key) are
   ``parallel_mode='duplicated'``: replicated; ``linear_q_up_proj`` (wq_b), ``linear_q_proj``
@@ -47,6 +52,8 @@ class LocalSizes:
 
     Attributes:
         num_heads: attention heads held (n_h / TP).
+        num_kv_heads: key/value heads (query groups) held (n_kv / TP; grouped-query
+            attention; MLA's equals num_heads).
         dense_inter: dense MLP width held.
         expert_ids: the routed experts held (a contiguous range of E / EP).
         expert_inter: each routed expert's width held (moe_intermediate_size / ETP).
@@ -77,6 +84,7 @@ class LocalSizes:
     etp: int = 1
     shared_split: bool = True
     shared_kind: str = "dense"
+    num_kv_heads: int = 0
 
     @classmethod
     def full(cls, cfg) -> LocalSizes:
@@ -84,7 +92,7 @@ class LocalSizes:
         return cls(cfg.num_attention_heads, cfg.intermediate_size,
                    range(cfg.num_routed_experts), cfg.moe_intermediate_size,
                    cfg.num_shared_experts * cfg.moe_intermediate_size, cfg.vocab_size,
-                   cfg.hidden_size)
+                   cfg.hidden_size, num_kv_heads=cfg.num_key_value_heads)
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -111,11 +119,15 @@ def local_sizes(cfg, par, ep_rank: int = 0) -> LocalSizes:
         replicate_q_rope=paper,
         tp=par.tp, sp=par.tp if par.sp else 1, cp=par.cp, ep=par.ep, etp=par.etp,
         shared_split=not paper, shared_kind="expert" if paper else "dense",
+        num_kv_heads=cfg.num_key_value_heads // par.tp,
     )
 
 
 # module -> (megatron, paper-2502.07846), for docs/parallel.md and `tracemem static --help`.
 PLAN_TABLE = {
+    "attn.wq, attn.wk, attn.wv, attn.wo (grouped-query)": ("split over TP (heads, query "
+                                                           "groups)", "split over TP"),
+    "attn.q_norm, attn.k_norm (grouped-query, qk-norm)": ("replicated", "replicated"),
     "attn.wq_a, attn.wkv_a, attn.q_norm, attn.kv_norm": ("replicated", "replicated"),
     "attn.wq_b (no-RoPE columns, W^UQ)": ("split over TP", "split over TP"),
     "attn.wq_b (RoPE columns, W^QR)": ("split over TP", "replicated (attn.wq_r)"),

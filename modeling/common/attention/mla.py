@@ -12,10 +12,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from modeling.families.deepseek.config import ModelConfig
+from modeling.common.config import ModelConfig
 from modeling.kernels import KernelProfile, get_profile
 from modeling.common.linear import Linear
 from modeling.common.norm import RMSNorm
+from modeling.common.rope import apply_rope
 from modeling.parallel.collectives import all_gather, reduce_scatter
 from modeling.parallel.groups import column, replicated, row
 from tracemem.errors import TracememError
@@ -23,18 +24,6 @@ from tracemem.errors import TracememError
 __all__ = ["MLA", "ATTENTION_KERNELS", "apply_rope"]
 
 ATTENTION_KERNELS = ("flash", "eager")
-
-
-def apply_rope(x: Tensor, inv_freq: Tensor) -> Tensor:
-    """Rotate ``x`` ``(b, s, n, d_r)`` by position (rotate-half form). Positions are
-    0..s-1; ``inv_freq`` is ``(d_r / 2,)``."""
-    s = x.shape[1]
-    positions = torch.arange(s, device=x.device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)  # (s, d_r / 2)
-    cos = angles.cos().repeat(1, 2)[None, :, None, :].to(x.dtype)  # (1, s, 1, d_r)
-    sin = angles.sin().repeat(1, 2)[None, :, None, :].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class MLA(nn.Module):

@@ -1,0 +1,160 @@
+"""Grouped-query attention (GQA), with multi-head (MHA: as many key/value heads as query heads)
+and multi-query (MQA: one) as its two ends; the training form (no KV cache).
+
+``wq``, ``wk``, ``wv`` project to n_h query heads and n_kv key/value heads of ``head_dim``
+each (optional biases: Qwen2's q, k, v; Llama's ``attention_bias`` on all four); Qwen3's
+``q_norm`` / ``k_norm`` (RMSNorm over head_dim) act on queries and keys before RoPE; RoPE
+rotates the first ``rotary_dim`` channels of each head (partial RoPE); ``wo`` projects back.
+Module names follow torchtitan's ``models/llama3/model.py`` ``Attention`` (``wq``, ``wk``,
+``wv``, ``wo``) and transformers' Qwen3 (``q_norm``, ``k_norm``).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from modeling.common.attention.mla import ATTENTION_KERNELS
+from modeling.common.config import ModelConfig
+from modeling.common.linear import Linear
+from modeling.common.norm import RMSNorm
+from modeling.common.rope import apply_rope, inv_freq
+from modeling.kernels import KernelProfile, get_profile
+from modeling.parallel.collectives import all_gather, reduce_scatter
+from modeling.parallel.groups import column, row
+from tracemem.errors import TracememError
+
+__all__ = ["GQA", "repeat_kv"]
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """``(b, n_kv, s, d)`` -> ``(b, n_kv * n_rep, s, d)``, each key/value head repeated for its
+    query group: ``expand`` then ``reshape`` (a copy), as transformers' ``repeat_kv``
+    (models/llama/modeling_llama.py) does before eager or SDPA attention; ``n_rep`` 1 returns
+    ``x`` itself."""
+    if n_rep == 1:
+        return x
+    b, n_kv, s, d = x.shape
+    return x[:, :, None].expand(b, n_kv, n_rep, s, d).reshape(b, n_kv * n_rep, s, d)
+
+
+class GQA(nn.Module):
+    """Grouped-query attention.
+
+    Args:
+        cfg: the model config (``attention == "gqa"``).
+        attention: ``"eager"`` materialises the ``(b, n_h, s, s)`` scores and probabilities;
+            ``"flash"`` runs a fused kernel that keeps the output and the log-sum-exp
+            (``modeling.kernels.attention``). Under the eager and torch profiles the key and
+            value heads are first repeated to n_h (``repeat_kv``), as transformers and
+            torchtitan's SDPA path do.
+        num_heads, num_kv_heads: query heads and query groups on this rank (TP splits both:
+            n_h / TP and n_kv / TP, Megatron-Core ``Attention.__init__``
+            ``num_query_groups_per_partition``); default all.
+        sp, cp: sequence- and context-parallel degrees. Input and output are this rank's
+            tokens ``(b, s / (cp * sp), h)``. With SP the input is all-gathered along the
+            sequence before the column-parallel q, k, v projections and the output
+            reduce-scattered after the row-parallel ``wo``; with CP keys and values are
+            all-gathered across the CP group before attention (the all-gather variant of
+            context parallelism, as ``MLA`` does).
+        kernels: the ``modeling.kernels`` profile. Under ``megatron-te`` the forward is
+            Megatron-Core's ``SelfAttention`` with the TE layer spec (Megatron-LM d98e8a6,
+            megatron/core/transformer/attention.py ``SelfAttention.__init__`` and
+            ``get_query_key_value_tensors``; megatron/core/models/gpt/gpt_layer_specs.py
+            ``get_gpt_layer_with_transformer_engine_spec``): one ``linear_qkv``
+            (``TELayerNormColumnParallelLinear``: the input RMSNorm fused in, q, k, v weights
+            and biases in one GEMM, output ``(b, s, n_kv * (n_h / n_kv + 2) * head_dim)``),
+            viewed per query group and split; the query ``reshape`` copies (the split is not
+            viewable), ``q_layernorm`` / ``k_layernorm`` (``TENorm``; TE's RMSNorm makes its
+            input contiguous and saves that, transformer_engine/pytorch/ops/basic/rmsnorm.py
+            ``RMSNorm.op_forward``), Megatron's unfused RoPE (``modeling.kernels.rope``), TE's
+            fused attention on n_kv key/value heads (no repeat), a row-parallel
+            ``linear_proj``.
+
+    Raises:
+        TracememError: unknown ``attention``; ``eager`` attention under megatron-te.
+    """
+
+    def __init__(self, cfg: ModelConfig, attention: str = "flash", num_heads: int | None = None,
+                 num_kv_heads: int | None = None, sp: int = 1, cp: int = 1,
+                 kernels: KernelProfile | None = None):
+        super().__init__()
+        if attention not in ATTENTION_KERNELS:
+            raise TracememError(f"--attention {attention!r} is invalid; choose one of "
+                                f"{', '.join(ATTENTION_KERNELS)}")
+        self.kernels = kern = kernels or get_profile("eager")
+        if kern.orchestration == "megatron" and attention == "eager":
+            raise TracememError(f"--kernels {kern.name} runs TE's fused attention: --attention "
+                                f"eager needs --kernels eager or torch")
+        self.attention = attention
+        self.sp, self.cp = sp, cp
+        self.recompute: frozenset[str] = frozenset()  # set by Block: "core_attn"
+        self.num_heads = num_heads or cfg.num_attention_heads
+        self.num_kv_heads = num_kv_heads or cfg.num_key_value_heads
+        self.head_dim = d = cfg.head_dim
+        self.scale = d ** -0.5
+        h, n, n_kv = cfg.hidden_size, self.num_heads, self.num_kv_heads
+        # groups (modeling.parallel.plans' docstring): linear_qkv column-parallel (its biases
+        # with it), linear_proj row-parallel (its bias replicated), q / k norms replicated
+        col, rw = column("attention"), row("attention")
+        self.wq = Linear(h, n * d, bias=cfg.qkv_bias, kernels=kern, group=col)
+        self.wk = Linear(h, n_kv * d, bias=cfg.qkv_bias, kernels=kern, group=col)
+        self.wv = Linear(h, n_kv * d, bias=cfg.qkv_bias, kernels=kern, group=col)
+        self.wo = Linear(n * d, h, bias=cfg.o_bias, kernels=kern, group=rw)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, kernels=kern)
+            self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, kernels=kern)
+        self.register_buffer("inv_freq", inv_freq(cfg.rotary_dim, cfg.rope_theta),
+                             persistent=False)  # (rotary_dim / 2,)
+
+    def forward(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
+        """``x`` ``(b, s / (cp * sp), h)``; ``norm`` the layer's input RMSNorm when the
+        profile fuses it into ``linear_qkv`` (megatron-te), else None."""
+        if self.kernels.orchestration == "megatron":
+            return self._forward_megatron(x, norm)
+        x = all_gather(x, self.sp, dim=1)  # (b, s / cp, h)
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # (b, s, n_local, d)
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # (b, s, n_kv_local, d)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, self.inv_freq), apply_rope(k, self.inv_freq)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, n, s / cp, d)
+        # CP: every rank needs all keys and values (all-gather variant of context parallelism)
+        k, v = all_gather(k, self.cp, dim=2), all_gather(v, self.cp, dim=2)
+        if "core_attn" in self.recompute:
+            out = checkpoint(self._core_attention, q, k, v, use_reentrant=False)
+        else:
+            out = self._core_attention(q, k, v)
+        out = self.wo(out.transpose(1, 2).reshape(b, s, -1))  # (b, s / cp, h), partial sums
+        return reduce_scatter(out, self.sp, dim=1)  # (b, s / (cp * sp), h)
+
+    def _core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # (b, n, s / cp, d) queries, (b, n_kv, s, d) keys and values in; (b, n, s / cp, d) out
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        return self.kernels.core_attention(q, k, v, self.scale, self.attention)
+
+    # ------------------------------------------------------- Megatron-Core's SelfAttention
+    def _forward_megatron(self, x: Tensor, norm: nn.Module | None) -> Tensor:
+        kern, d = self.kernels, self.head_dim
+        mixed = self.wq(x, "column", self.sp, norm, fused=(self.wk, self.wv))
+        b, s, _ = mixed.shape  # (b, s / cp, n_kv * (n / n_kv + 2) * d)
+        per_group = self.num_heads // self.num_kv_heads
+        mixed = mixed.view(b, s, self.num_kv_heads, (per_group + 2) * d)
+        query, key, value = mixed.split([per_group * d, d, d], dim=3)
+        query = query.reshape(b, s, -1, d)  # (b, s, n_local, d): a copy
+        if hasattr(self, "q_norm"):  # TENorm: input made contiguous and saved
+            query, key = self.q_norm(query.contiguous()), self.k_norm(key.contiguous())
+        query = kern.rope_bshd(query, self.inv_freq)
+        key = kern.rope_bshd(key, self.inv_freq)  # (b, s, n_kv_local, d)
+        value = value.contiguous()  # contiguous q / k / v into TE's fused attention
+        # CP: every rank needs all keys and values (all-gather variant of context parallelism)
+        key, value = all_gather(key, self.cp, dim=1), all_gather(value, self.cp, dim=1)
+        if "core_attn" in self.recompute:
+            out = checkpoint(kern.core_attention, query, key, value, self.scale,
+                             self.attention, use_reentrant=False)
+        else:
+            out = kern.core_attention(query, key, value, self.scale, self.attention)
+        return self.wo(out, "row", self.sp)  # (b, s / (cp * sp), h)
