@@ -23,7 +23,8 @@ Rules, each from torch 2.13's FSDP2 (``torch/distributed/fsdp/_fully_shard/``):
   ``fully_shard([model.norm, model.output], reshard_after_forward=reshard_after_forward_policy
   == "always")``, "do not reshard_after_forward the last layers ... since FSDP would prefetch
   them immediately"): the head stays gathered from its forward, through the loss, to its
-  backward (``Zero3Gathers(keep_after_forward=...)`` changes the set).
+  backward. Which units do is declared where they are made (``declare_fsdp_unit(...,
+  reshard_after_forward=False)``); ``Zero3Gathers(keep_after_forward=...)`` overrides the set.
 - ``FSDPState._post_forward`` / ``_register_pre_backward_hook``: a hook on the forward output's
   gradient unshards again before the unit's backward (``FSDPParamGroup.pre_backward``).
 - ``FSDPParamGroup._register_post_backward_hook`` (``RegisterPostBackwardFunction`` on inputs
@@ -46,7 +47,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from modeling.parallel.groups import is_fsdp_unit
+from modeling.parallel.groups import is_fsdp_unit, reshards_after_forward
 from tracemem.categories import Category
 from tracemem.tracer import MemoryTracer
 
@@ -108,10 +109,9 @@ class Zero3Gathers:
     their device, tagged ``parameter``.
     """
 
-    def __init__(self, prefetch: bool = True, keep_after_forward: frozenset[str] = frozenset(
-            {"head"})):
+    def __init__(self, prefetch: bool = True, keep_after_forward: frozenset[str] | None = None):
         self.prefetch = prefetch
-        self.keep_after_forward = keep_after_forward
+        self.keep_after_forward = keep_after_forward  # None: the units' declarations
         self._sizes: dict[str, tuple[int, torch.dtype]] = {}
         self._gathered: dict[str, Tensor] = {}
         self._order: list[str] = []  # post-forward order of this forward (with multiplicity)
@@ -128,6 +128,10 @@ class Zero3Gathers:
                 self._sizes[name] = (sum(p.numel() * p.element_size() for p in params),
                                      torch.uint8)
         self._device = next(model.parameters()).device
+        if self.keep_after_forward is None:
+            self.keep_after_forward = frozenset(
+                name for name, unit in zero3_units(model).items()
+                if name and not reshards_after_forward(unit))
         for name, unit in zero3_units(model).items():
             self._handles.append(unit.register_forward_pre_hook(
                 lambda m, args, kwargs, name=name: self._pre_forward(name, args, kwargs),

@@ -122,8 +122,10 @@ class Transformer(nn.Module):
             for chunk in self.chunks for i in chunk})
         if post_process:
             self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, kernels=kernels)
+            # a ZeRO-3 unit kept gathered from its forward to its backward (tracemem.zero3)
             self.head = declare_fsdp_unit(Linear(cfg.hidden_size, sizes.vocab, bias=False,
-                                                 kernels=kernels, group=column("output_head")))
+                                                 kernels=kernels, group=column("output_head")),
+                                          reshard_after_forward=False)
             if cfg.tie_word_embeddings and self.embed is not None:
                 self.head.weight = self.embed.weight
             self.mtp = nn.ModuleDict({

@@ -43,8 +43,8 @@ from torch import Tensor, nn
 from tracemem.errors import TracememError
 
 __all__ = ["ParamGroup", "KINDS", "declare", "declare_module", "set_component", "group_of",
-           "declared_tensors", "declare_fsdp_unit", "is_fsdp_unit", "replicated", "column",
-           "row", "expert", "numel_by_kind", "ATTRIBUTE"]
+           "declared_tensors", "declare_fsdp_unit", "is_fsdp_unit", "reshards_after_forward",
+           "replicated", "column", "row", "expert", "numel_by_kind", "ATTRIBUTE"]
 
 KINDS = ("dense", "expert")
 ATTRIBUTE = "tracemem_group"  # the attribute a declared tensor carries
@@ -195,16 +195,23 @@ def declared_tensors(model: nn.Module, buffers: bool = False, strict: bool = Tru
             yield module_name, name, tensor, group
 
 
-def declare_fsdp_unit(module: nn.Module) -> nn.Module:
+def declare_fsdp_unit(module: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
     """Mark ``module`` as one ZeRO-3 / FSDP unit (``tracemem.zero3``: all-gathered before its
-    forward and backward, freed after); returns it."""
-    setattr(module, _UNIT_ATTRIBUTE, True)
+    forward and backward, freed after); ``reshard_after_forward=False`` keeps it gathered from
+    its forward to its backward (FSDP2's ``fully_shard(..., reshard_after_forward=False)``, as
+    torchtitan wraps the output head). Returns ``module``."""
+    setattr(module, _UNIT_ATTRIBUTE, "reshard" if reshard_after_forward else "keep")
     return module
 
 
 def is_fsdp_unit(module: nn.Module) -> bool:
     """Whether ``declare_fsdp_unit`` marked ``module``."""
-    return getattr(module, _UNIT_ATTRIBUTE, False)
+    return bool(getattr(module, _UNIT_ATTRIBUTE, False))
+
+
+def reshards_after_forward(module: nn.Module) -> bool:
+    """Whether the unit ``module`` is freed after its forward (``declare_fsdp_unit``)."""
+    return getattr(module, _UNIT_ATTRIBUTE, False) != "keep"
 
 
 def numel_by_kind(model: nn.Module) -> dict[str, int]:

@@ -31,7 +31,7 @@ from modeling.params import count_by_component
 from tracemem.errors import TracememError
 from tracemem.parallel import ParallelConfig
 from tracemem.static import static_memory
-from tracemem.zero3 import unit_params
+from tracemem.zero3 import Zero3Gathers, unit_params
 
 TINY = load_config("deepseek-tiny")
 
@@ -137,6 +137,14 @@ def test_a_renamed_model_has_the_same_static_and_zero_bytes(plan):
             assert sorted(sum(p.numel() for p in ps)
                           for ps in unit_params(renamed).values()) == units
             assert before.dense_params > 0 and (before.expert_params > 0) == (rank == 4)
+
+
+def test_the_head_stays_gathered_after_forward_by_its_declaration_not_its_name():
+    # torchtitan's apply_fsdp: the output head is wrapped with reshard_after_forward=False
+    par = ParallelConfig.create(TINY, world_size=2, pp=2, zero=3)
+    model = build_rank(TINY, par, 1)
+    assert Zero3Gathers().install(model).keep_after_forward == {"head"}
+    assert Zero3Gathers().install(_rename(model)).keep_after_forward == {"output"}
 
 
 def test_a_renamed_model_counts_the_same_per_component():
