@@ -116,15 +116,20 @@ def test_static_memory_counts_the_users_parameters_by_their_declared_groups():
         - 2 * (12_032 + 48 + 32 - 8_192) - 2 * (12_288 - 8_192)
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_estimate_runs_with_a_users_attention_and_mlp(recompute):
-    base = estimate("deepseek-tiny", recompute=recompute, **TINY)
+@pytest.mark.parametrize("recompute, more", [
+    ("none", {}), ("selective", dict(schedule_name="gpipe", zero=2)),
+    ("full", dict(schedule_name="interleaved-1f1b", vpp=2)), ("none", dict(zero=3))])
+def test_estimate_runs_with_a_users_attention_and_mlp(recompute, more):
+    base = estimate("deepseek-tiny", recompute=recompute, **TINY, **more)
     mine = estimate("deepseek-tiny", recompute=recompute,
-                    replace={"attn": TinyAttention, "mlp": TinyMLP}, **TINY)
+                    replace={"attn": TinyAttention, "mlp": TinyMLP}, **TINY, **more)
     assert [r.pp_stage for r in mine.ranks] == [0, 1]
     assert all(r.peak_bytes > 0 for r in mine.ranks)
     assert mine.ranks[0].static != base.ranks[0].static
     assert mine.settings["replace"] == {"attn": "TinyAttention", "mlp": "TinyMLP"}
+    if more.get("zero") == 3:  # stage 0's largest unit, a dense layer at TP 2, by hand:
+        # TinyAttention 8,192 + TinyMLP 2 x 64 x 64 / 2 = 8,192 + two norms 2 x 64, bf16
+        assert mine.ranks[0].static.zero3_gather_bytes == 2 * (8_192 + 8_192 + 128)
 
 
 def test_estimate_with_a_users_block_under_full_recompute_keeps_less():
