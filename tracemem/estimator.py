@@ -40,6 +40,7 @@ from modeling import ModelConfig, load_config
 from modeling.common.custom import CustomBlock, resolve_replacements
 from modeling.kernels import KernelProfile, get_profile
 from modeling.parallel.build import build_rank, coordinates
+from modeling.parallel.groups import numel_by_kind
 from modeling.parallel.pp import (
     backward_from,
     recv_backward,
@@ -236,6 +237,7 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
     (``_trace_step`` adds the optimizer step)."""
     model = build_rank(cfg, par, rank, attention=attention, experts=experts,
                        dtype=torch.bfloat16, kernels=kernels, placement=where, replace=replace)
+    numel_by_kind(model)  # every parameter declares its group: say so before tracing
     # ZeRO-3: every unit's all-gathers are traced events (tracemem.zero3)
     gathers = Zero3Gathers(zero3_prefetch).install(model) if par.zero == 3 else None
     for module in model.modules():

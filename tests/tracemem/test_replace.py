@@ -257,3 +257,23 @@ def test_params_and_static_take_replace_too(capsys):
                  "--json", "--replace", spec]) == 0
     stage = json.loads(capsys.readouterr().out)["stages"][0]
     assert stage["params_by_component"]["attention"] == 4 * 16_384 // 2  # split over TP 2
+
+
+class Undeclared(nn.Module):
+    def __init__(self, ctx):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(ctx.cfg.hidden_size, ctx.cfg.hidden_size))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def test_a_users_undeclared_parameter_stops_the_estimate_in_one_line(capsys):
+    with pytest.raises(TracememError, match=r"^parameter 'layers\.0\.attn\.w' \(64, 64\) "
+                                            r"declares no group; declare it where it is made"):
+        estimate("deepseek-tiny", replace={"attn": Undeclared}, **TINY)
+    assert main(["estimate", "--model", "deepseek-tiny", "--world-size", "1",
+                 "--micro-batch-size", "1", "--seq-length", "8", "--num-microbatches", "1",
+                 "--replace", "attn=tests.tracemem.test_replace:Undeclared"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "modeling.parallel.groups.declare(param" in err
