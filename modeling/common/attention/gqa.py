@@ -149,7 +149,9 @@ class GQA(nn.Module):
             query, key = self.q_norm(query.contiguous()), self.k_norm(key.contiguous())
         query = kern.rope_bshd(query, self.inv_freq)
         key = kern.rope_bshd(key, self.inv_freq)  # (b, s, n_kv_local, d)
-        value = value.contiguous()  # contiguous q / k / v into TE's fused attention
+        # TE's get_qkv_layout (attention/dot_product_attention/utils.py) finds the strided v
+        # beside the contiguous post-RoPE k "not_supported" and makes q, k, v contiguous
+        value = value.contiguous()
         # CP: every rank needs all keys and values (all-gather variant of context parallelism)
         key, value = all_gather(key, self.cp, dim=1), all_gather(value, self.cp, dim=1)
         if "core_attn" in self.recompute:
