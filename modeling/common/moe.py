@@ -15,8 +15,10 @@ from torch import Tensor, nn
 
 from modeling.common.config import ModelConfig
 from modeling.kernels import KernelProfile, get_profile
+from modeling.common.linear import Linear
 from modeling.common.mlp import MLP
 from modeling.parallel.collectives import all_gather, all_to_all, reduce_scatter
+from modeling.common.router import Gate, RouterSpec
 from modeling.common.routing import RoutingModel
 from modeling.parallel.groups import declare, declare_module, expert, replicated
 from tracemem.errors import TracememError
@@ -24,57 +26,6 @@ from tracemem.errors import TracememError
 __all__ = ["Gate", "GroupedExperts", "MoE", "EXPERT_KERNELS"]
 
 EXPERT_KERNELS = ("grouped", "sequential")
-
-
-class Gate(nn.Module):
-    """The router. V3: sigmoid scores plus a per-expert correction bias (a buffer: no gradient,
-    no optimizer state) used only to pick experts, group-limited top-k (groups ranked by the sum
-    of their two best scores), weights from the unbiased scores, renormalised. V2: softmax
-    scores, greedy or group-limited (groups ranked by their best score) top-k.
-
-    Input ``(T, h)``; returns weights ``(T, k)`` (routed_scaling_factor applied) and expert ids
-    ``(T, k)`` (int64).
-    """
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.weight = nn.Parameter(torch.empty(cfg.num_routed_experts, cfg.hidden_size))
-        if cfg.has_correction_bias:
-            self.register_buffer("e_score_correction_bias",
-                                 torch.zeros(cfg.num_routed_experts, dtype=torch.float32))
-        # Megatron-Core's TopKRouter: weight and expert bias replicated, dense (allreduce)
-        declare_module(self, replicated("router"))
-
-    def forward(self, x: Tensor, kernels: KernelProfile | None = None) -> tuple[Tensor, Tensor]:
-        cfg = self.cfg
-        if kernels is not None and kernels.orchestration == "megatron":
-            logits = kernels.router_logits(x, self.weight)  # (T, E) fp32
-        else:
-            logits = F.linear(x, self.weight)  # (T, E)
-        if cfg.scoring_func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = logits.softmax(dim=-1, dtype=torch.float32)
-        original = scores
-        if cfg.has_correction_bias:
-            scores = scores + self.e_score_correction_bias
-        if cfg.topk_method != "greedy" and cfg.num_expert_groups > 1:
-            grouped = scores.view(x.shape[0], cfg.num_expert_groups, -1)  # (T, G, E / G)
-            if cfg.has_correction_bias:
-                group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # (T, G)
-            else:
-                group_scores = grouped.amax(dim=-1)
-            keep = group_scores.topk(cfg.topk_group, dim=-1)[1]  # (T, topk_group)
-            mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
-            scores = grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(1)
-        ids = scores.topk(cfg.num_experts_per_tok, dim=-1)[1]  # (T, k)
-        weights = original.gather(1, ids)
-        if cfg.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if kernels is not None and kernels.orchestration == "megatron":
-            return weights * cfg.routed_scaling_factor, ids  # Megatron keeps probs in fp32
-        return (weights * cfg.routed_scaling_factor).type_as(x), ids
 
 
 class GroupedExperts(nn.Module):
@@ -154,6 +105,15 @@ class MoE(nn.Module):
             applied there), grouped fc2, chunk unsort, all-to-all, unpermute; the shared
             experts as ``SharedExpertMLP`` (with ``moe_shared_expert_overlap`` as the profile
             says).
+        router: the router (``modeling.common.router.RouterSpec``); default the config's.
+        shared_expert_gate: Qwen2-MoE's gate on the shared experts' output: a ``Linear(h,
+            1)`` (``shared_expert_gate``, no bias, replicated over TP) and a sigmoid, the
+            shared output times ``sigmoid(x @ w^T)`` per token (Hugging Face
+            ``Qwen2MoeSparseMoeBlock.forward``; Megatron-Core ``SharedExpertMLP.forward``
+            with ``gate=True``, ``--moe-shared-expert-gate``: ``F.linear`` on the local
+            input, ``sigmoid``, ``output * gate_score``; with ``--moe-shared-expert-overlap``
+            the score is computed first, in ``pre_forward_comm``; megatron/core/transformer/
+            moe/shared_experts.py at Megatron-LM d98e8a6). Needs shared experts.
 
     The input is this rank's tokens ``(b, s_local, h)`` (sequence-parallel: the router and the
     dispatch see local tokens only, as Megatron-Core's MoE layer does).
@@ -169,7 +129,8 @@ class MoE(nn.Module):
                  expert_inter: int | None = None, shared_inter: int | None = None,
                  ep: int = 1, etp: int = 1, shared_sp: int = 1,
                  kernels: KernelProfile | None = None, shared_split: bool = True,
-                 shared_kind: str = "dense"):
+                 shared_kind: str = "dense", router: RouterSpec | None = None,
+                 shared_expert_gate: bool = False):
         super().__init__()
         self.kernels = kernels or get_profile("eager")
         if experts not in EXPERT_KERNELS:
@@ -183,7 +144,7 @@ class MoE(nn.Module):
         inter = expert_inter or cfg.moe_intermediate_size
         shared = cfg.num_shared_experts * cfg.moe_intermediate_size \
             if shared_inter is None else shared_inter
-        self.gate = Gate(cfg)
+        self.gate = Gate(cfg, router)
         if experts == "grouped":
             self.experts = GroupedExperts(n, h, inter, self.kernels)
         else:
@@ -195,6 +156,13 @@ class MoE(nn.Module):
                                    component="shared_experts", kind=shared_kind,
                                    split=shared_split)
                                if shared else None)
+        if shared_expert_gate and not shared:
+            raise TracememError("a shared-expert gate needs shared experts (their width is 0)")
+        self.shared_expert_gate = None
+        if shared_expert_gate:  # Megatron's gate_weight: replicated over TP, with the shared
+            self.shared_expert_gate = declare_module(Linear(h, 1),  # experts' ZeRO group
+                                                     replicated("shared_experts", shared_kind))
+        self._gate_first = overlap
 
     def forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
         if self.kernels.orchestration == "megatron":
@@ -229,8 +197,20 @@ class MoE(nn.Module):
         routed_out = routed_out * weights.view(-1).index_select(0, order).unsqueeze(-1)
         y = torch.zeros_like(x).index_add(0, token, routed_out).view(shape)  # combine
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x.view(shape))
+            y = y + self._shared(x.view(shape))
         return y
+
+    def _shared(self, x: Tensor) -> Tensor:
+        """The shared experts on ``x`` ``(b, s_local, h)``, times the sigmoid gate if any
+        (computed before the experts under Megatron's shared-expert overlap, else after)."""
+        if self.shared_expert_gate is None:
+            return self.shared_experts(x)
+        weight = self.shared_expert_gate.weight  # (1, h)
+        if self._gate_first:
+            score = torch.sigmoid(F.linear(x, weight))  # (b, s_local, 1)
+            return self.shared_experts(x) * score
+        out = self.shared_experts(x)
+        return out * torch.sigmoid(F.linear(x, weight))
 
     def _local_counts(self, x: Tensor, ids: Tensor, routing: RoutingModel) -> list[int]:
         """Token-slots each local expert computes (after EP / ETP), from the routing model."""
@@ -277,5 +257,5 @@ class MoE(nn.Module):
             out = all_to_all(out, slots)
         y = k.unpermute(out, row_id_map, tokens).view(shape)  # (b, s_local, h)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x.view(shape))
+            y = y + self._shared(x.view(shape))
         return y

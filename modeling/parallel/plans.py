@@ -137,6 +137,7 @@ PLAN_TABLE = {
     "ffn.experts (routed)": ("E/EP per rank, each split over ETP; ZeRO over EDP",
                              "E/EP per rank; ZeRO over EDP"),
     "ffn.shared_experts": ("split over TP; ZeRO over DP", "replicated; ZeRO over EDP"),
+    "ffn.shared_expert_gate (Qwen2-MoE)": ("replicated; ZeRO over DP", "replicated; ZeRO over DP"),
     "embed, head": ("vocabulary (padded to 128*TP) split over TP",
                     "vocabulary split over TP, no padding"),
     "mtp.eh_proj": ("split over TP", "split over TP"),

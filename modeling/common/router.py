@@ -1,0 +1,186 @@
+"""The MoE router (``gate``): scores, top-k, the weights of the chosen experts; and the
+Qwen2-MoE shared-expert gate.
+
+``RouterSpec`` says which router a family runs; ``Gate`` runs it. The variants:
+
+- score function: ``softmax`` or ``sigmoid``;
+- where the softmax goes (``pre_softmax``): over all E logits before the top-k (DeepSeek-V2's
+  ``MoEGate``, Hugging Face ``Qwen3MoeSparseMoeBlock.forward`` / ``Qwen2MoeSparseMoeBlock.
+  forward``: softmax, topk, optional renormalisation), or over the k chosen logits after it
+  (Mixtral: mistral-inference ``moe.py`` ``MoeLayer.forward``: ``topk`` of the gate logits,
+  then ``softmax`` of those k in fp32);
+- renormalising the top-k weights to sum to 1 (``norm_topk_prob``);
+- group-limited top-k (DeepSeek-V2 ``group_limited_greedy``: groups ranked by their best score;
+  V3 ``noaux_tc``: by the sum of their two best, with a per-expert correction bias that only
+  picks experts);
+- a routed scaling factor, or none (``scaling_factor`` None: no multiply is run, as in the Qwen
+  and Mixtral references).
+
+Under a Megatron kernel profile the router is Megatron-Core's ``TopKRouter`` (megatron/core/
+transformer/moe/router.py ``TopKRouter.routing``, moe_utils.py
+``topk_routing_with_score_function``, Megatron-LM d98e8a6): fp32 logits from
+``RouterGatingLinearFunction``; softmax with ``use_pre_softmax``: softmax, topk; without:
+topk of the logits, softmax of the k; sigmoid: sigmoid, (bias) topk, gather, renormalise
+(``topk > 1``); then ``probs * scaling_factor`` when one is set. Megatron has no
+renormalisation for softmax scores, so a softmax router that renormalises runs as
+``use_pre_softmax=False`` (the same weights: softmax over the chosen logits), which is how
+Megatron's Qwen3-MoE and Mixtral recipes set it (``--moe-router-pre-softmax`` off); one that
+does not (DeepSeek-V2, Qwen1.5-MoE) runs as ``use_pre_softmax=True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from modeling.kernels import KernelProfile
+from modeling.parallel.groups import declare_module, replicated
+from tracemem.errors import TracememError
+
+__all__ = ["RouterSpec", "Gate", "SCORING_FUNCS"]
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """Which router runs (see the module docstring).
+
+    Attributes:
+        num_experts: routed experts E (the gate weight is ``(E, h)``).
+        top_k: experts per token k.
+        scoring_func: "softmax" or "sigmoid".
+        pre_softmax: softmax over all E logits before the top-k (True) or over the k chosen
+            logits after it (False; softmax only).
+        norm_topk_prob: renormalise the k weights to sum to 1 (a softmax over the chosen
+            logits sums to 1 already, so it is not run there).
+        num_expert_groups, topk_group: group-limited top-k when ``group_limited`` (tokens
+            keep the best ``topk_group`` of ``num_expert_groups`` groups).
+        group_limited: whether groups limit the top-k.
+        correction_bias: V3's per-expert bias buffer ``e_score_correction_bias`` (fp32,
+            ``(E,)``) added to the scores to pick experts; groups then rank by their two best.
+        scaling_factor: multiplier on the weights, or None for no multiply.
+        gather: the weights are the scores gathered at the chosen ids (DeepSeek-V3's
+            reference ``Gate.forward``, inference/model.py, for every DeepSeek router), not
+            ``topk``'s own values (Hugging Face Qwen-MoE, Mixtral); ``gather`` saves its whole
+            ``(T, E)`` input for backward. Bias-corrected or group-limited selection always
+            gathers (the selection scores are not the weights).
+
+    Raises:
+        TracememError: an unknown score function, k above E, groups that do not divide E.
+    """
+
+    num_experts: int
+    top_k: int
+    scoring_func: str = "softmax"
+    pre_softmax: bool = True
+    norm_topk_prob: bool = False
+    num_expert_groups: int = 1
+    topk_group: int = 1
+    group_limited: bool = False
+    correction_bias: bool = False
+    scaling_factor: float | None = None
+    gather: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scoring_func not in SCORING_FUNCS:
+            raise TracememError(f"router scoring_func={self.scoring_func!r} is invalid; it "
+                                f"must be one of {', '.join(SCORING_FUNCS)}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise TracememError(f"router top_k={self.top_k} is invalid; it must be in 1.."
+                                f"{self.num_experts} (the routed experts)")
+        if self.group_limited and (self.num_experts % self.num_expert_groups
+                                   or self.topk_group > self.num_expert_groups):
+            raise TracememError(f"router groups {self.num_expert_groups} (keeping "
+                                f"{self.topk_group}) do not divide {self.num_experts} experts")
+
+    @classmethod
+    def of(cls, cfg) -> RouterSpec:
+        """The router a ``ModelConfig`` states (its scoring_func, topk_method, n_group,
+        topk_group, norm_topk_prob, routed_scaling_factor; softmax before the top-k)."""
+        return cls(num_experts=cfg.num_routed_experts, top_k=cfg.num_experts_per_tok,
+                   scoring_func=cfg.scoring_func,
+                   pre_softmax=True,
+                   norm_topk_prob=cfg.norm_topk_prob,
+                   num_expert_groups=cfg.num_expert_groups, topk_group=cfg.topk_group,
+                   group_limited=cfg.topk_method != "greedy" and cfg.num_expert_groups > 1,
+                   correction_bias=cfg.has_correction_bias,
+                   scaling_factor=cfg.routed_scaling_factor, gather=True)
+
+    @property
+    def megatron_pre_softmax(self) -> bool:
+        """Megatron's ``use_pre_softmax`` for this softmax router (module docstring)."""
+        return self.pre_softmax and not self.norm_topk_prob
+
+
+class Gate(nn.Module):
+    """The router: weight ``(E, h)`` (no bias), and for V3's routing the correction-bias
+    buffer (no gradient, no optimizer state).
+
+    ``forward(x, kernels)``: ``x`` ``(T, h)``; returns the weights ``(T, k)`` (in ``x``'s
+    dtype; fp32 under a Megatron profile, which keeps probabilities in fp32) and the expert
+    ids ``(T, k)`` int64.
+
+    Args:
+        cfg: a ``ModelConfig`` (its hidden size, and the router via ``RouterSpec.of``).
+        spec: the router, when not the config's.
+    """
+
+    def __init__(self, cfg, spec: RouterSpec | None = None):
+        super().__init__()
+        self.spec = spec = spec or RouterSpec.of(cfg)
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, cfg.hidden_size))
+        if spec.correction_bias:
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(spec.num_experts, dtype=torch.float32))
+        # Megatron-Core's TopKRouter: weight and expert bias replicated, dense (allreduce)
+        declare_module(self, replicated("router"))
+
+    def forward(self, x: Tensor, kernels: KernelProfile | None = None) -> tuple[Tensor, Tensor]:
+        megatron = kernels is not None and kernels.orchestration == "megatron"
+        if megatron:
+            logits = kernels.router_logits(x, self.weight)  # (T, E) fp32
+        else:
+            logits = F.linear(x, self.weight)  # (T, E)
+        spec = self.spec
+        post = spec.scoring_func == "softmax" and not (
+            spec.megatron_pre_softmax if megatron else spec.pre_softmax)
+        if post:  # top-k of the logits, then the softmax of the k
+            scores = logits
+        elif spec.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1, dtype=torch.float32)
+        # One function, as the references are: every intermediate lives to its end (and the
+        # locals are made in the order that keeps DeepSeek's frees at the end as they were).
+        if spec.gather or spec.correction_bias or spec.group_limited:
+            original = scores  # select with the bias and groups, weigh with unbiased scores
+            if spec.correction_bias:
+                scores = scores + self.e_score_correction_bias
+            if spec.group_limited:
+                grouped = scores.view(x.shape[0], spec.num_expert_groups, -1)  # (T, G, E / G)
+                if spec.correction_bias:
+                    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # (T, G)
+                else:
+                    group_scores = grouped.amax(dim=-1)
+                keep = group_scores.topk(spec.topk_group, dim=-1)[1]  # (T, topk_group)
+                mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
+                scores = grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(1)
+            ids = scores.topk(spec.top_k, dim=-1)[1]  # (T, k)
+            weights = original.gather(1, ids)
+        else:  # the references' plain topk
+            weights, ids = scores.topk(spec.top_k, dim=-1)  # (T, k) each
+        if post:
+            weights = weights.softmax(dim=-1, dtype=torch.float32)
+        # Megatron renormalises sigmoid scores (topk > 1) and never softmax ones
+        elif (spec.scoring_func == "sigmoid" and spec.top_k > 1) if megatron \
+                else spec.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if spec.scaling_factor is not None:
+            if megatron:
+                return weights * spec.scaling_factor, ids  # Megatron keeps probs in fp32
+            return (weights * spec.scaling_factor).type_as(x), ids
+        return (weights if megatron else weights.type_as(x)), ids
