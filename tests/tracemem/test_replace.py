@@ -277,3 +277,12 @@ def test_a_users_undeclared_parameter_stops_the_estimate_in_one_line(capsys):
                  "--replace", "attn=tests.tracemem.test_replace:Undeclared"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "modeling.parallel.groups.declare(param" in err
+
+
+@pytest.mark.parametrize("model", [p for p in __import__("modeling").PRESETS
+                                   if p.endswith("-tiny")])
+def test_a_users_attention_runs_in_every_familys_tiny_model(model):
+    # each family's own parameters declare their groups too: no undeclared-parameter error
+    result = estimate(model, replace={"attn": TinyAttention}, **TINY)
+    assert [r.pp_stage for r in result.ranks] == [0, 1]
+    assert all(r.peak_bytes > 0 for r in result.ranks)
