@@ -52,7 +52,15 @@ class _TEFusedAttention(torch.autograd.Function):
 
 def te_fused_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """TE fused attention on contiguous ``q``, ``k`` ``(b, s, n, d_qk)`` and ``v``
-    ``(b, s, n, d_v)`` (Megatron's ``[s, b, n, d]``, b-major here: same bytes). Returns
-    ``(b, s, n * d_v)``."""
+    ``(b, s, n, d_v)`` (Megatron's ``[s, b, n, d]``, b-major here: same bytes); k and v may
+    have fewer heads (grouped-query attention). Returns ``(b, s, n * d_v)``.
+
+    Strided inputs are copied as TE does: ``get_qkv_layout``
+    (attention/dot_product_attention/utils.py) finds a layout it supports, else makes q, k and
+    v contiguous. Simplification: the packed layouts it accepts without a copy (q, k, v
+    interleaved views of one buffer with equal strides) never reach it from Megatron's
+    attentions here (RoPE makes q and k fresh tensors), so any strided input means a copy."""
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        q, k, v = (t.contiguous() for t in (q, k, v))
     out = _TEFusedAttention.apply(q, k, v)
     return out.view(*out.shape[:2], -1)

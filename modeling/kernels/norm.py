@@ -44,5 +44,7 @@ def fused_rms_norm(norm: nn.RMSNorm, x: Tensor) -> Tensor:
 
 
 def te_rms_norm(norm: nn.RMSNorm, x: Tensor) -> Tensor:
-    """TE RMSNorm of ``x`` ``(..., h)`` with ``norm``'s weight."""
-    return _RMSNorm.apply(x, norm.weight, False)
+    """TE RMSNorm of ``x`` ``(..., h)`` with ``norm``'s weight. TE makes its input contiguous
+    first and saves that (``RMSNorm.op_forward``: ``input_.contiguous()``): a strided input,
+    such as Megatron's key split out of ``linear_qkv`` for the qk layernorm, is copied."""
+    return _RMSNorm.apply(x.contiguous(), norm.weight, False)

@@ -65,10 +65,9 @@ class GQA(nn.Module):
             (``TELayerNormColumnParallelLinear``: the input RMSNorm fused in, q, k, v weights
             and biases in one GEMM, output ``(b, s, n_kv * (n_h / n_kv + 2) * head_dim)``),
             viewed per query group and split; the query ``reshape`` copies (the split is not
-            viewable), ``q_layernorm`` / ``k_layernorm`` (``TENorm``; TE's RMSNorm makes its
-            input contiguous and saves that, transformer_engine/pytorch/ops/basic/rmsnorm.py
-            ``RMSNorm.op_forward``), Megatron's unfused RoPE (``modeling.kernels.rope``), TE's
-            fused attention on n_kv key/value heads (no repeat), a row-parallel
+            viewable), ``q_layernorm`` / ``k_layernorm`` (``TENorm``, which copies the strided
+            key), Megatron's unfused RoPE (``modeling.kernels.rope``), TE's fused attention on
+            n_kv key/value heads (no repeat; it copies the strided value), a row-parallel
             ``linear_proj``.
 
     Raises:
@@ -145,13 +144,12 @@ class GQA(nn.Module):
         mixed = mixed.view(b, s, self.num_kv_heads, (per_group + 2) * d)
         query, key, value = mixed.split([per_group * d, d, d], dim=3)
         query = query.reshape(b, s, -1, d)  # (b, s, n_local, d): a copy
-        if hasattr(self, "q_norm"):  # TENorm: input made contiguous and saved
-            query, key = self.q_norm(query.contiguous()), self.k_norm(key.contiguous())
+        if hasattr(self, "q_norm"):  # TENorm (it copies a strided input: kernels.norm)
+            query, key = self.q_norm(query), self.k_norm(key)
         query = kern.rope_bshd(query, self.inv_freq)
         key = kern.rope_bshd(key, self.inv_freq)  # (b, s, n_kv_local, d)
-        # TE's get_qkv_layout (attention/dot_product_attention/utils.py) finds the strided v
-        # beside the contiguous post-RoPE k "not_supported" and makes q, k, v contiguous
-        value = value.contiguous()
+        # value stays a strided slice of linear_qkv's output: TE's fused attention copies it
+        # (modeling.kernels.attention.te_fused_attention, get_qkv_layout)
         # CP: every rank needs all keys and values (all-gather variant of context parallelism)
         key, value = all_gather(key, self.cp, dim=1), all_gather(value, self.cp, dim=1)
         if "core_attn" in self.recompute:
