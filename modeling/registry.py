@@ -17,7 +17,10 @@ from typing import Any
 from modeling.common.config import ModelConfig, require_object, show
 from modeling.families.deepseek import config as deepseek
 from modeling.families.llama import config as llama
+from modeling.families.mixtral import config as mixtral
 from modeling.families.qwen import config as qwen
+from modeling.families.qwen2_moe import config as qwen2_moe
+from modeling.families.qwen3_moe import config as qwen3_moe
 from tracemem.errors import TracememError
 
 __all__ = ["FAMILIES", "PRESETS", "load_config", "config_from_dict", "family_of"]
@@ -29,6 +32,9 @@ FAMILIES = {
     "llama": llama,
     "qwen2": qwen,
     "qwen3": qwen,
+    "qwen3_moe": qwen3_moe,
+    "qwen2_moe": qwen2_moe,
+    "mixtral": mixtral,
 }
 
 PRESETS = tuple(p for family in dict.fromkeys(FAMILIES.values()) for p in family.PRESETS)

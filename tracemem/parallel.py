@@ -308,6 +308,8 @@ class ParallelConfig:
             raise TracememError(f"--etp {self.etp} must divide moe_intermediate_size ({inter}); "
                                 f"try {divisors_hint(inter)}")
         sizes = ["intermediate_size", "moe_intermediate_size", "hidden_size"]
+        if model_cfg.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert
+            sizes.append("shared_expert_intermediate_size")
         if self.plan == "paper-2502.07846":  # no vocabulary padding under the paper's plan
             sizes.append("vocab_size")
         for name in sizes:

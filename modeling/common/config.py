@@ -86,8 +86,19 @@ class ModelConfig:
     scoring_func: str = "softmax"  # router scores: "softmax" or "sigmoid"
     topk_method: str = "greedy"  # "greedy", "group_limited_greedy", "noaux_tc" (with bias)
     norm_topk_prob: bool = False  # renormalise the top-k weights to sum to 1
-    routed_scaling_factor: float = 1.0  # multiplier on the routed experts' output
+    routed_scaling_factor: float | None = 1.0  # multiplier on the routed weights; None: none
     num_mtp_modules: int = 0  # multi-token-prediction modules (DeepSeek-V3: 1)
+    # MoE variants beyond DeepSeek's (modeling.common.router, modeling.common.moe)
+    router_pre_softmax: bool = True  # softmax over all experts, then top-k; False: top-k
+    #                                  logits, then softmax of the k (Mixtral)
+    router_gather: bool = True  # weights gathered at the chosen ids (DeepSeek-V3's reference)
+    #                             rather than topk's own values (Qwen-MoE, Mixtral)
+    shared_expert_intermediate_size: int = 0  # one shared expert's width when it is not
+    #                                           moe_intermediate_size (Qwen2-MoE); 0: that
+    shared_expert_gate: bool = False  # sigmoid gate Linear(h, 1) on the shared output
+    mlp_only_layers: tuple[int, ...] = ()  # layers with a dense MLP whatever else says (Qwen)
+    moe_layer_offset: int = 0  # MoE layers are those with (layer + offset) % moe_layer_freq
+    #                            == 0: 0 DeepSeek's rule, 1 Qwen's decoder_sparse_step
 
     @property
     def is_mla(self) -> bool:
@@ -117,11 +128,21 @@ class ModelConfig:
         """V3's aux-loss-free routing adds a per-expert bias (a buffer) to the scores."""
         return self.topk_method == "noaux_tc"
 
+    @property
+    def shared_experts_width(self) -> int:
+        """The shared experts' total width: num_shared_experts times one's width."""
+        return self.num_shared_experts * (self.shared_expert_intermediate_size
+                                          or self.moe_intermediate_size)
+
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether layer ``layer`` (0-based) has an MoE FFN (Hugging Face's DeepSeek rule;
-        never for a dense model)."""
+        """Whether layer ``layer`` (0-based) has an MoE FFN; never for a dense model.
+        Hugging Face's DeepSeek rule (``layer >= first_k_dense_replace and layer %
+        moe_layer_freq == 0``) with offset 0; its Qwen-MoE rule (``layer not in mlp_only_layers
+        and (layer + 1) % decoder_sparse_step == 0``, transformers ``Qwen3MoeDecoderLayer.
+        __init__``) with offset 1."""
         return (self.num_routed_experts > 0 and layer >= self.first_k_dense_replace
-                and layer % self.moe_layer_freq == 0)
+                and (layer + self.moe_layer_offset) % self.moe_layer_freq == 0
+                and layer not in self.mlp_only_layers)
 
     def __post_init__(self) -> None:
         src = self.name
@@ -175,7 +196,8 @@ _SIZE_FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "moe_intermedi
                 "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                 "num_routed_experts", "num_experts_per_tok", "moe_layer_freq",
-                "num_expert_groups", "topk_group", "max_position_embeddings"}
+                "num_expert_groups", "topk_group", "max_position_embeddings",
+                "shared_expert_intermediate_size"}
 _NON_NEGATIVE = {"num_mtp_modules", "num_shared_experts", "first_k_dense_replace"}
 
 

@@ -113,7 +113,8 @@ class MoE(nn.Module):
             with ``gate=True``, ``--moe-shared-expert-gate``: ``F.linear`` on the local
             input, ``sigmoid``, ``output * gate_score``; with ``--moe-shared-expert-overlap``
             the score is computed first, in ``pre_forward_comm``; megatron/core/transformer/
-            moe/shared_experts.py at Megatron-LM d98e8a6). Needs shared experts.
+            moe/shared_experts.py at Megatron-LM d98e8a6). Needs shared experts. Default
+            the config's ``shared_expert_gate``.
 
     The input is this rank's tokens ``(b, s_local, h)`` (sequence-parallel: the router and the
     dispatch see local tokens only, as Megatron-Core's MoE layer does).
@@ -130,7 +131,7 @@ class MoE(nn.Module):
                  ep: int = 1, etp: int = 1, shared_sp: int = 1,
                  kernels: KernelProfile | None = None, shared_split: bool = True,
                  shared_kind: str = "dense", router: RouterSpec | None = None,
-                 shared_expert_gate: bool = False):
+                 shared_expert_gate: bool | None = None):
         super().__init__()
         self.kernels = kernels or get_profile("eager")
         if experts not in EXPERT_KERNELS:
@@ -142,8 +143,7 @@ class MoE(nn.Module):
         self.expert_ids = expert_ids or range(cfg.num_routed_experts)
         n, h = len(self.expert_ids), cfg.hidden_size
         inter = expert_inter or cfg.moe_intermediate_size
-        shared = cfg.num_shared_experts * cfg.moe_intermediate_size \
-            if shared_inter is None else shared_inter
+        shared = cfg.shared_experts_width if shared_inter is None else shared_inter
         self.gate = Gate(cfg, router)
         if experts == "grouped":
             self.experts = GroupedExperts(n, h, inter, self.kernels)
@@ -156,6 +156,8 @@ class MoE(nn.Module):
                                    component="shared_experts", kind=shared_kind,
                                    split=shared_split)
                                if shared else None)
+        if shared_expert_gate is None:
+            shared_expert_gate = cfg.shared_expert_gate
         if shared_expert_gate and not shared:
             raise TracememError("a shared-expert gate needs shared experts (their width is 0)")
         self.shared_expert_gate = None

@@ -99,16 +99,17 @@ class RouterSpec:
 
     @classmethod
     def of(cls, cfg) -> RouterSpec:
-        """The router a ``ModelConfig`` states (its scoring_func, topk_method, n_group,
-        topk_group, norm_topk_prob, routed_scaling_factor; softmax before the top-k)."""
+        """The router a ``ModelConfig`` states (its scoring_func, router_pre_softmax,
+        norm_topk_prob, topk_method, n_group, topk_group, routed_scaling_factor,
+        router_gather)."""
         return cls(num_experts=cfg.num_routed_experts, top_k=cfg.num_experts_per_tok,
                    scoring_func=cfg.scoring_func,
-                   pre_softmax=True,
+                   pre_softmax=cfg.router_pre_softmax,
                    norm_topk_prob=cfg.norm_topk_prob,
                    num_expert_groups=cfg.num_expert_groups, topk_group=cfg.topk_group,
                    group_limited=cfg.topk_method != "greedy" and cfg.num_expert_groups > 1,
                    correction_bias=cfg.has_correction_bias,
-                   scaling_factor=cfg.routed_scaling_factor, gather=True)
+                   scaling_factor=cfg.routed_scaling_factor, gather=cfg.router_gather)
 
     @property
     def megatron_pre_softmax(self) -> bool:

@@ -91,7 +91,7 @@ class LocalSizes:
         """The unsharded model."""
         return cls(cfg.num_attention_heads, cfg.intermediate_size,
                    range(cfg.num_routed_experts), cfg.moe_intermediate_size,
-                   cfg.num_shared_experts * cfg.moe_intermediate_size, cfg.vocab_size,
+                   cfg.shared_experts_width, cfg.vocab_size,
                    cfg.hidden_size, num_kv_heads=cfg.num_key_value_heads)
 
 
@@ -105,7 +105,7 @@ def local_sizes(cfg, par, ep_rank: int = 0) -> LocalSizes:
     """The sizes one rank of EP rank ``ep_rank`` holds under ``par.plan``."""
     per_ep = cfg.num_routed_experts // par.ep
     experts = range(ep_rank * per_ep, (ep_rank + 1) * per_ep)
-    shared = cfg.num_shared_experts * cfg.moe_intermediate_size
+    shared = cfg.shared_experts_width
     paper = par.plan == "paper-2502.07846"
     vocab = cfg.vocab_size if paper else padded_vocab(cfg.vocab_size, par.tp)
     return LocalSizes(
