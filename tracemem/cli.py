@@ -191,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--compare", choices=KERNEL_PROFILES, default=None,
                       help="a second profile listed after the first, with both totals")
     inv.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
+    _add_replace_flag(inv)
 
     cross = sub.add_parser(
         "crosscheck", help="closed-form formulas beside the traced figures, term by term")
@@ -617,7 +618,8 @@ def _run_inventory(args: argparse.Namespace) -> str:
     from tracemem.inventory import format_inventory, get_inventory
 
     common = dict(world_size=args.world_size, micro_batch_size=args.micro_batch_size,
-                  seq_length=args.seq_length, part=args.part, **_layout_kwargs(args))
+                  seq_length=args.seq_length, part=args.part, replace=args.replace,
+                  **_layout_kwargs(args))
     inventories = [get_inventory(args.model, kernels=args.kernels,
                                  kernel_options=_kernel_options(args), **common)]
     if args.compare:

@@ -57,6 +57,9 @@ KERNEL_SOURCES = {
 
 
 def _source(node_name: str) -> str:
+    if node_name.startswith("GeneratedBackwardFor_"):  # a torch.library custom op's autograd
+        return ("its torch.library register_autograd setup_context (torch 2.13 "
+                "torch/_library/autograd.py)")
     return KERNEL_SOURCES.get(node_name,
                               f"torch 2.13 autograd formula of {node_name} (derivatives.yaml)")
 
@@ -143,7 +146,7 @@ def _part_of(module: str) -> str:
 def get_inventory(model: str | ModelConfig, *, world_size: int, micro_batch_size: int,
                   seq_length: int, part: str = "layer 0", kernels: str = "megatron-te",
                   kernel_options: dict | None = None, attention: str = "flash",
-                  experts: str = "auto", **layout) -> Inventory:
+                  experts: str = "auto", replace=None, **layout) -> Inventory:
     """The inventory of ``part`` ("layer N" with N a global decoder layer, "mtp K",
     "embedding" or "loss") on the first rank of the pipeline stage that holds it.
 
@@ -151,6 +154,8 @@ def get_inventory(model: str | ModelConfig, *, world_size: int, micro_batch_size
         model, world_size, layout: as ``tracemem.estimate`` (``ParallelConfig.create``).
         micro_batch_size, seq_length: b and s (tokens).
         kernels, kernel_options: the profile (``modeling.kernels``).
+        replace: the user's own layers, as ``tracemem.estimate``'s
+            (``modeling.common.custom.resolve_replacements``).
 
     Raises:
         TracememError: invalid inputs, or a part this model does not have.
@@ -180,7 +185,7 @@ def get_inventory(model: str | ModelConfig, *, world_size: int, micro_batch_size
             + "'embedding' or 'loss'")
     rank = stage * (par.world_size // par.pp)
     net = build_rank(cfg, par, rank, attention=attention, experts=experts,
-                     dtype=torch.bfloat16, kernels=profile)
+                     dtype=torch.bfloat16, kernels=profile, replace=replace)
     if kind == "layer":
         chunk = next(c for c, layers in enumerate(par.layers_of_stage(stage))
                      if int(number) in layers)

@@ -75,3 +75,20 @@ def test_the_example_adds_the_hand_counted_parameters_per_layer(monkeypatch):
     mine = static_memory(build_rank(v3, par, 64, replace=window), par).dense_params
     qkv, out = (64 + 2 * 4) * 128 * 7168, 7168 * 64 * 128  # 66,060,288 and 58,720,256
     assert mine - mla == 4 * (qkv + out - 101_122_048 - 1536 - 512) == 94_625_792
+
+
+def test_the_docs_inventory_rows_are_what_inventory_prints(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    command = next(b for b in _blocks("") if b.startswith("tracemem inventory"))
+    rows = next(b for b in _blocks("") if b.startswith("deepseek-v3, layer 0"))
+    args = [a.strip('"') for a in
+            re.findall(r'"[^"]*"|\S+', command.replace("\\\n", " "))][1:]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(rows)
+    # the attention's rows by hand: 58,720,256 + 75,497,472 + 67,108,864 + 1,048,576 +
+    # 67,108,864 (1 x 4096 x 7168, 4096 x 9216, 1 x 64 x 4096 x 128 bf16; 1 x 64 x 4096 fp32)
+    attention = [int(line.split()[4].replace(",", "")) for line in out.splitlines()
+                 if line.startswith("layers.0.attn ")]
+    assert sum(attention) == 269_484_032 == \
+        2 * 4096 * (7168 + 9216 + 2 * 64 * 128) + 4 * 64 * 4096
