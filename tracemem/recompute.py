@@ -10,8 +10,9 @@ Megatron-LM, megatron/core/transformer/transformer_block.py,
 - ``block``: the first N layers of the chunk each checkpointed, the rest not recomputed.
 
 Applied from outside the modules: ``block`` sets each layer's own recompute; ``uniform`` with
-N > 1 makes the group's first layer run the whole group under one non-reentrant
-``torch.utils.checkpoint`` and the others pass their input through when called outside it
+N > 1 makes the group's first layer run the whole group under one ``torch.utils.checkpoint``
+(reentrant under a Megatron kernel profile, as Megatron-Core's ``tensor_parallel.checkpoint``;
+else non-reentrant) and the others pass their input through when called outside it
 (the layers, their parameters and module paths stay as built).
 """
 
@@ -85,8 +86,9 @@ def _group(layers: list) -> None:
         def forward(h, routing):
             if inside[0]:
                 return real[index](layer, h, routing)
-            if index == 0:
-                return checkpoint(run, h, routing, use_reentrant=False)
+            if index == 0:  # Megatron's CheckpointFunction is reentrant
+                return checkpoint(run, h, routing,
+                                  use_reentrant=layer.kernels.orchestration == "megatron")
             return h  # ran inside the group's checkpoint
         return forward
 

@@ -447,6 +447,16 @@ class MemoryTracer(TorchDispatchMode):
             rec.category = Category.ACTIVATION  # a received buffer kept for backward is one
         return t.detach()
 
+    def storage_resized(self, tensor: Tensor) -> None:
+        """Record that ``tensor``'s storage changed size outside any op
+        (``tensor.untyped_storage().resize_(n)`` runs below the dispatcher, so no op reports
+        it): how Megatron-Core's ``CheckpointWithoutOutput`` frees an output's memory and
+        restores it (tensor_parallel/random.py). A storage the tracer does not know is
+        ignored."""
+        rec = self._live.get(tensor.untyped_storage()._cdata)
+        if rec is not None:
+            self._check_resize(tensor, rec, self._phase())
+
     def tag(self, tensor: Tensor, category: Category) -> None:
         """Give the storage of ``tensor`` (born in the traced region) ``category``: how
         collective wrappers mark their buffers ``comm_buffer``. A storage saved for backward

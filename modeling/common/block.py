@@ -76,7 +76,10 @@ class Block(nn.Module):
     def set_recompute(self, recompute: str, modules: frozenset[str] = frozenset()) -> None:
         """``"none"``; ``"full"``: the whole layer is recomputed in backward (Megatron's
         "uniform" method, one layer per checkpoint); ``"selective"``: the ``modules`` named
-        (``RECOMPUTE_MODULES``) are. Uses ``torch.utils.checkpoint`` (non-reentrant).
+        (``RECOMPUTE_MODULES``) are. Uses ``torch.utils.checkpoint``: "full" is reentrant under a
+        Megatron kernel profile (megatron/core/tensor_parallel/random.py ``CheckpointFunction``:
+        the forward runs under no_grad, backward recomputes the layer whole; held against
+        Megatron-Core by ``tracemem validate --against megatron-core``), else non-reentrant.
 
         Raises:
             TracememError: unknown mode or module; ``mla_up_proj`` for a model without MLA.
@@ -101,7 +104,10 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
         if self.recompute == "full":
-            return checkpoint(self._forward, x, routing, use_reentrant=False)
+            # Megatron-Core's tensor_parallel.checkpoint (CheckpointFunction) is reentrant:
+            # the forward runs under no_grad, backward recomputes and backpropagates inside
+            return checkpoint(self._forward, x, routing,
+                              use_reentrant=self.kernels.orchestration == "megatron")
         return self._forward(x, routing)
 
     def _forward(self, x: Tensor, routing: RoutingModel) -> Tensor:

@@ -222,42 +222,139 @@ class MoE(nn.Module):
 
 
     def _forward_megatron(self, x: Tensor, routing: RoutingModel) -> Tensor:
+        """Megatron-Core's ``MoELayer`` with ``MoEAlltoAllTokenDispatcher`` (megatron/core/
+        transformer/moe/token_dispatcher.py at Megatron-LM d98e8a6): ``dispatch_preprocess``
+        gathers the shared experts' input and permutes (the dispatcher's references to the
+        probabilities, the routing map and the row-id map, which outlive the microbatch, are
+        not modelled: docs/validation.md);
+        ``token_dispatch`` all-to-alls the tokens, runs the shared experts' fc1 and
+        activation, all-to-alls the probabilities; ``dispatch_postprocess`` gathers over
+        expert TP and sorts the chunks; the experts; ``combine_preprocess`` unsorts, then
+        reduce-scatters over expert TP in the probabilities' dtype (fp32) and casts back;
+        ``token_combine`` all-to-alls back and runs the shared experts' fc2 and their
+        reduce-scatter; ``combine_postprocess`` unpermutes and adds the shared output in place.
+        The shared experts' Nodes get the sequence numbers ``SharedExpertMLP`` gives them
+        (``set_tensor_grad_fn_sequence_sr``: their backward runs first)."""
         k, cfg = self.kernels, self.cfg
         shape = x.shape
         x = x.view(-1, shape[-1])  # (T, h)
         tokens, top_k = x.shape[0], cfg.num_experts_per_tok
-        weights, ids = self.gate(x, k)  # (T, k) each
-        # topk_routing_with_score_function: dense probabilities and routing map (T, E)
-        probs = torch.zeros((tokens, cfg.num_routed_experts), dtype=torch.float32,
-                            device=x.device).scatter(1, ids, weights.float())
+        probs, routing_map, ids = self.gate.route_megatron(x, k)  # (T, E) each
         rows = sum(self._local_counts(x, ids, routing))  # token-slots this rank's experts get
+        del ids  # the router's top-k indices die with TopKRouter.routing (saved if needed)
         slots = tokens * top_k if self.ep > 1 or len(self.expert_ids) == cfg.num_routed_experts \
             else rows
-        permuted, permuted_probs, row_id_map = k.permute(x, probs, slots)  # (slots, h)
-        if self.ep > 1:  # token_dispatch: all-to-all of the tokens and of their probabilities
-            permuted = all_to_all(permuted, rows // self.etp)
-            permuted_probs = all_to_all(permuted_probs, rows // self.etp)
-        if self.etp > 1:  # dispatch_postprocess: gather over the expert-TP group
-            permuted = all_gather(permuted, self.etp, dim=0)
-            permuted_probs = all_gather(permuted_probs, self.etp, dim=0)
-        several = len(self.expert_ids) > 1
-        if several:  # sort the received chunks by local expert
-            permuted, permuted_probs = k.sort_chunks(permuted, permuted_probs)
-        probs_col = permuted_probs.unsqueeze(-1)  # (rows, 1)
-        if isinstance(self.experts, GroupedExperts):
-            out = self.experts(permuted, [], probs_col)  # (rows, h)
-        else:  # one Linear per expert: the same TE GroupedLinear over their weights
-            out = _megatron_experts(k, permuted, probs_col,
-                                    [w for e in self.experts for w in (e.w1.weight,
-                                                                        e.w3.weight)],
-                                    [e.w2.weight for e in self.experts])
-        if self.etp > 1:
-            out = reduce_scatter(out, self.etp, dim=0)
-        if several:  # combine_preprocess: unsort
-            out, _ = k.sort_chunks(out)
-        if self.ep > 1:  # token_combine
-            out = all_to_all(out, slots)
+        shared = self.shared_experts
+        overlap = shared is not None and shared.shared_overlap
+        if overlap:  # SharedExpertMLP.pre_forward_comm: the gate's score (--moe-shared-
+            # expert-gate), then the gather (or copy_to_tensor_model_parallel_region)
+            if self.shared_expert_gate is not None:
+                gate_score = torch.sigmoid(F.linear(x.view(shape),
+                                                    self.shared_expert_gate.weight))
+            shared_in = _mark_first(_collective(all_gather, x.view(shape), shared.sp, 1))
+        # The variables below live as long as their namesakes in MoELayer.forward's
+        # custom_forward (transformer/moe/moe_layer.py): the permuted tokens and the tokens
+        # received by the all-to-all until the layer's output is made.
+        hidden_states, permuted_probs, row_id_map = k.permute(x, probs, slots)  # (slots, h)
+        # Megatron's dispatch_preprocess also keeps probs, routing_map and row_id_map on the
+        # dispatcher until the layer's next forward, across microbatches; not modelled (the
+        # replay frees a microbatch's storages within its own steps): docs/validation.md
+        del routing_map
+        # token_dispatch: all-to-all of the tokens (an identity Node at EP 1, as Megatron's)
+        dispatched = _collective(all_to_all, hidden_states, self.ep, rows // self.etp)
+        if overlap:  # linear_fc1_forward_and_act, ordered after the tokens' all-to-all
+            shared_h = shared.kernels.swiglu(shared.w1(shared_in, fused=(shared.w3,)))
+            del shared_in
+            if dispatched.grad_fn is not None:
+                shared_h.grad_fn._set_sequence_nr(dispatched.grad_fn._sequence_nr() - 1)
+            shared_h = _BackwardStreamWait.apply(shared_h)
+        # and of the probabilities (custom_forward rebinds `probs`: the permuted ones go)
+        permuted_probs = _collective(all_to_all, permuted_probs, self.ep, rows // self.etp)
+        out = self._routed_experts_megatron(dispatched, permuted_probs, probs.dtype, x.dtype)
+        out = _collective(all_to_all, out, self.ep, slots)  # token_combine
+        if overlap:  # linear_fc2_forward, post_forward_comm (or reduce_from_tensor_model_...)
+            _mark_first(out)
+            shared_out = _mark_first(_collective(reduce_scatter, shared.w2(shared_h),
+                                                 shared.sp, 1))
+            del shared_h
         y = k.unpermute(out, row_id_map, tokens).view(shape)  # (b, s_local, h)
-        if self.shared_experts is not None:
+        if overlap:
+            if self.shared_expert_gate is not None:  # get_output
+                shared_out = shared_out * gate_score
+            y += shared_out  # combine_postprocess: output += shared_expert_output
+        elif shared is not None:
             y = y + self._shared(x.view(shape))
         return y
+
+    def _routed_experts_megatron(self, tokens: Tensor, probs: Tensor, probs_dtype, dtype
+                                 ) -> Tensor:
+        """``MoELayer.routed_experts_compute``: ``dispatch_postprocess`` (gather over expert
+        TP, chunk sort), the experts, ``combine_preprocess`` (chunk unsort, then the expert-TP
+        reduce-scatter in ``probs_dtype``, cast back to ``dtype``). ``tokens`` ``(rows /
+        ETP, h)`` received; returns ``(rows / ETP, h)``."""
+        k = self.kernels
+        if self.etp > 1:  # dispatch_postprocess: gather over the expert-TP group
+            tokens = all_gather(tokens, self.etp, dim=0)
+            probs = all_gather(probs, self.etp, dim=0)
+        several = len(self.expert_ids) > 1
+        if several:  # sort the received chunks by local expert
+            tokens, probs = k.sort_chunks(tokens, probs)
+        probs_col = probs.unsqueeze(-1)  # (rows, 1)
+        if isinstance(self.experts, GroupedExperts):
+            expert_output = self.experts(tokens, [], probs_col)  # (rows, h)
+        else:  # one Linear per expert: the same TE GroupedLinear over their weights
+            expert_output = _megatron_experts(k, tokens, probs_col,
+                                              [w for e in self.experts
+                                               for w in (e.w1.weight, e.w3.weight)],
+                                              [e.w2.weight for e in self.experts])
+        del tokens, probs, probs_col
+        out = expert_output
+        if several:  # combine_preprocess: unsort
+            out, _ = k.sort_chunks(out)
+        if self.etp > 1:  # reduce-scatter in the probabilities' dtype
+            out = reduce_scatter(out.to(probs_dtype), self.etp, dim=0).to(dtype)
+        return out
+
+
+class _BackwardStreamWait(torch.autograd.Function):
+    """Megatron-Core's ``_BackwardStreamWait`` (transformer/moe/shared_experts.py): an
+    identity whose backward waits for the shared experts' stream; a Node, no memory."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
+
+
+class _Identity(torch.autograd.Function):
+    """Megatron-Core's collectives over a group of one (tensor_parallel/mappings.py: the
+    ``_AllToAll``, ``_GatherFromSequenceParallelRegion``, ``_CopyToModelParallelRegion`` ...
+    Functions return their input): an autograd Node that allocates nothing."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
+
+
+def _collective(op, t: Tensor, world: int, arg: int) -> Tensor:
+    """``op(t, world, arg)`` (``all_gather`` / ``reduce_scatter`` along ``arg``) or
+    ``op(t, arg)`` (``all_to_all`` to ``arg`` rows) over ``world`` ranks; an identity Node
+    when ``world`` is 1, as Megatron-Core's collectives are."""
+    if world == 1:
+        return _Identity.apply(t)
+    return op(t, arg) if op is all_to_all else op(t, world, arg)
+
+
+def _mark_first(t: Tensor) -> Tensor:
+    """``set_tensor_grad_fn_sequence_sr(t, torch.iinfo(torch.int).max)``: the autograd engine
+    runs ``t``'s Node as soon as it is ready, before Nodes made earlier."""
+    if t.grad_fn is not None:
+        t.grad_fn._set_sequence_nr(torch.iinfo(torch.int).max)
+    return t

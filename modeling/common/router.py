@@ -185,3 +185,55 @@ class Gate(nn.Module):
                 return weights * spec.scaling_factor, ids  # Megatron keeps probs in fp32
             return (weights * spec.scaling_factor).type_as(x), ids
         return (weights if megatron else weights.type_as(x)), ids
+
+    def route_megatron(self, x: Tensor, kernels: KernelProfile) -> tuple[Tensor, Tensor, Tensor]:
+        """Megatron-Core's ``TopKRouter.routing`` for ``x`` ``(T, h)`` as its MoE layer runs it:
+        the fp32 router GEMM, then ``topk_routing_with_score_function`` op for op (megatron/
+        core/transformer/moe/moe_utils.py at Megatron-LM d98e8a6, the same at megatron-core
+        0.16.1): softmax scores before (``use_pre_softmax``) or after the top-k, or sigmoid
+        scores, the correction bias for the choice only, ``group_limited_topk`` (group score:
+        the sum of the top ``k / groups`` scores; a 0/1 group mask; masked scores), sigmoid
+        scores normalised by their sum (k > 1), the scaling factor, and the dense ``probs``
+        ``(T, E)`` fp32 and ``routing_map`` ``(T, E)`` bool scattered from the top-k. Returns
+        ``probs``, ``routing_map`` and the top-k ids ``(T, k)`` int64 (held against
+        megatron-core by ``tracemem validate --against megatron-core``)."""
+        spec = self.spec
+        logits = kernels.router_logits(x, self.weight)  # (T, E) fp32
+        if spec.scoring_func == "softmax":
+            if spec.megatron_pre_softmax:
+                scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+                probs, ids = self._megatron_topk(scores)
+            else:
+                scores, ids = self._megatron_topk(logits)
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+        else:
+            scores = torch.sigmoid(logits.float()).type_as(logits)
+            if spec.correction_bias:
+                _, ids = self._megatron_topk(scores + self.e_score_correction_bias)
+                scores = torch.gather(scores, dim=1, index=ids).type_as(logits)
+            else:
+                scores, ids = self._megatron_topk(scores)
+            probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) \
+                if spec.top_k > 1 else scores
+        if spec.scaling_factor:
+            probs = probs * spec.scaling_factor
+        routing_probs = torch.zeros_like(logits).scatter(1, ids, probs)
+        routing_map = torch.zeros_like(logits).int().scatter(1, ids, 1).bool()
+        return routing_probs, routing_map, ids
+
+    def _megatron_topk(self, scores: Tensor) -> tuple[Tensor, Tensor]:
+        """``topk_routing_with_score_function``'s ``compute_topk``: ``group_limited_topk``
+        with expert groups, else ``torch.topk``."""
+        spec = self.spec
+        if not spec.group_limited:
+            return torch.topk(scores, k=spec.top_k, dim=-1)
+        tokens, groups = scores.shape[0], spec.num_expert_groups
+        group_scores = scores.view(tokens, groups, -1).topk(
+            spec.top_k // spec.topk_group, dim=-1)[0].sum(dim=-1)  # (T, G)
+        group_idx = torch.topk(group_scores, k=spec.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(
+            tokens, groups, spec.num_experts // groups).reshape(tokens, -1)
+        masked = scores.masked_fill(~score_mask.bool(), float("-inf"))
+        return torch.topk(masked, k=spec.top_k, dim=-1)

@@ -49,8 +49,12 @@ def test_v3_table_names_the_worst_rank(capsys):
 def test_full_recompute_drops_activations():
     none = estimate("deepseek-tiny", **TINY)
     full = estimate("deepseek-tiny", recompute="full", **TINY)
+    # Megatron's CheckpointFunction is reentrant: in backward a layer is recomputed whole and
+    # its activations are alive at the peak (held per layer against Megatron-Core itself by
+    # tests/tracemem/test_oracle_megatron.py), so the drop is less than half on the last stage
     for a, b in zip(none.ranks, full.ranks):
-        assert b.activation_bytes < a.activation_bytes / 2
+        assert b.activation_bytes < a.activation_bytes * 0.6
+        assert b.peak_bytes < a.peak_bytes
 
 
 def test_eager_attention_holds_the_s_by_s_scores():

@@ -20,9 +20,8 @@ from tracemem.oracle.compare import OracleCase, oracle_model_config, run_case  #
 
 S, D_R, E, H = 16, 8, 8, 64  # deepseek-tiny: seq_length, qk_rope_head_dim, experts, hidden
 # RotaryEmbedding.forward (models/common/embeddings/rotary_pos_embedding.py) is lru_cache'd:
-# each layer's cache keeps emb [s, 1, 1, d_r] fp32 and the inv_freq it scaled, [d_r / 2] fp32
-ROPE_CACHE = S * D_R * 4 + D_R // 2 * 4  # 512 + 16
-
+# each layer's cache keeps emb [s, 1, 1, d_r] fp32 after its forward (persistent, not counted)
+ROPE_CACHE = S * D_R * 4  # 512
 
 def _names(code):
     names = set(code.co_names)
@@ -54,8 +53,11 @@ def test_patches_are_undone_on_exit():
     assert torch.cuda.current_device is before
 
 
-@pytest.fixture(scope="module", params=[OracleCase(), OracleCase(tp=2, sp=True, ep=4)],
-                ids=lambda c: c.name)
+CASES = [OracleCase(), OracleCase(tp=2, sp=True, ep=4), OracleCase(tp=2, sp=True, ep=4, etp=2),
+         OracleCase(tp=2, sp=True, ep=4, recompute="full")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: c.name)
 def result(request):
     return run_case(request.param)
 
@@ -71,27 +73,45 @@ def test_parameter_bytes_per_layer_are_equal(result):
         assert result.megatron[0].params == by_hand == 86_432
 
 
-def test_the_dense_layer_differs_only_by_the_rope_cache(result):
-    m, t = result.megatron[0], result.tracemem[0]
-    assert m.kept - t.kept == ROPE_CACHE
-    assert m.forward_peak - t.forward_peak == ROPE_CACHE
-    assert m.backward_peak == t.backward_peak
-    only = result.diff(0)
-    assert sorted(s[0] for s in only.only_megatron) == [16, 512] and not only.only_tracemem
+def _residue(case: OracleCase, moe: bool) -> tuple[int, int, int]:
+    """Megatron-Core minus tracemem (kept, forward peak, backward peak), by hand.
+
+    Every layer: the RoPE cache. MoE layers: MoEAlltoAllTokenDispatcher.dispatch_preprocess
+    (transformer/moe/token_dispatcher.py) keeps self.probs [T, E] fp32 and self.routing_map
+    [T, E] bool until the layer's next forward (the routing map is also alive at the forward
+    peak; probs is anyway); under full recompute also the row-id map [T, 2E + 1] int32
+    (self.reversed_local_input_permutation_mapping; else the unpermute saves it), and the
+    recompute in backward replaces the forward's three (freed before the backward peak) while
+    the new routing map stays.
+    """
+    if not moe:
+        return ROPE_CACHE, ROPE_CACHE, 0
+    tokens = S // case.tp if case.sp else S
+    probs, routing_map, row_id_map = tokens * E * 4, tokens * E, tokens * (2 * E + 1) * 4
+    if case.recompute == "full":
+        return (ROPE_CACHE + probs + routing_map + row_id_map, ROPE_CACHE + routing_map,
+                -(probs + row_id_map))
+    return ROPE_CACHE + probs + routing_map, ROPE_CACHE + routing_map, 0
 
 
-def test_moe_layers_differ_by_the_rope_cache_and_the_dispatcher_state(result):
-    # token_dispatcher.py dispatch_preprocess keeps self.probs [T, E] fp32 and
-    # self.routing_map [T, E] bool until the layer's next forward; T = s / TP under SP
+def test_every_layer_differs_only_by_the_itemised_residue(result):
+    for layer in result.megatron:
+        m, t = result.megatron[layer], result.tracemem[layer]
+        assert (m.kept - t.kept, m.forward_peak - t.forward_peak,
+                m.backward_peak - t.backward_peak) == _residue(result.case, layer > 0)
+
+
+def test_the_kept_storages_that_differ_are_the_rope_cache_and_the_dispatcher_state(result):
     tokens = S // result.case.tp if result.case.sp else S
-    for layer in (1, 2):
+    for layer in result.megatron:
         only = result.diff(layer)
-        assert sorted((s[0], s[1]) for s in only.only_megatron) == sorted(
-            [(16, "float32"), (512, "float32"), (tokens * E * 4, "float32"),
-             (tokens * E, "bool")])
+        expected = [(ROPE_CACHE, "float32")]
+        if layer > 0:
+            expected += [(tokens * E * 4, "float32"), (tokens * E, "bool")]
+            if result.case.recompute == "full":
+                expected.append((tokens * (2 * E + 1) * 4, "int32"))
+        assert sorted((s[0], s[1]) for s in only.only_megatron) == sorted(expected)
         assert not only.only_tracemem
-        assert result.megatron[layer].kept - result.tracemem[layer].kept == \
-            ROPE_CACHE + tokens * E * 5
 
 
 def test_cli_megatron_core_refuses_a_cpu_case(capsys):

@@ -184,7 +184,10 @@ def _layer_bytes(tracer, layer_of: Callable[[str], int | None], params: dict[int
                  end_forward: int) -> dict[int, LayerBytes]:
     events = tracer.events
     spans: dict[tuple[int, str], list[int]] = {}
-    for e in events:
+    for e in events:  # a layer's pass spans its first to its last allocation (a free names
+        # the module that made the storage, which may have run long before)
+        if e.action != "alloc":
+            continue
         layer = layer_of(e.module) if e.index > end_forward or e.phase is Phase.FORWARD \
             else None
         if layer is None:
@@ -221,7 +224,7 @@ def _layer_bytes(tracer, layer_of: Callable[[str], int | None], params: dict[int
     return out
 
 
-def _trace(model, run, x_shape, layer_of, param_layer_of) -> dict[int, LayerBytes]:
+def _trace(model, run, x_shape, layer_of, param_layer_of, state=()) -> dict[int, LayerBytes]:
     from modeling.parallel.pp import recv_backward, recv_forward
     from tracemem.tracer import MemoryTracer
 
@@ -231,7 +234,7 @@ def _trace(model, run, x_shape, layer_of, param_layer_of) -> dict[int, LayerByte
         if layer is not None:
             params[layer] = params.get(layer, 0) + p.numel() * p.element_size()
     tracer = MemoryTracer(rounding=None, devices={"meta"})
-    tracer.track_external(model)
+    tracer.track_external(model, list(state))
     with tracer, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # c10d's deprecated collective names
         x = recv_forward(x_shape, torch.bfloat16)
@@ -304,10 +307,15 @@ def _run_megatron_quietly(cfg, case: OracleCase, routing) -> dict[int, LayerByte
             model.set_input_tensor(x)
             return model(input_ids=None, position_ids=None, attention_mask=None)
 
+        # RotaryEmbedding.inv_freq is a plain attribute made at construction, not a buffer:
+        # module state, as tracemem's MLA.inv_freq buffer is
+        state = [m.inv_freq for m in model.modules()
+                 if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
         local = case.seq_length // (case.tp if case.sp else 1)
         try:
             return _trace(model, run, (local, 1, cfg.hidden_size),
-                          _layer_index("decoder.layers."), _layer_index("decoder.layers."))
+                          _layer_index("decoder.layers."), _layer_index("decoder.layers."),
+                          state)
         finally:
             patches.set_routing(None)
 

@@ -173,6 +173,34 @@ def _bias_dropout_add_train():
     return bias_dropout_add_unfused(True)
 
 
+# ---------------------------------------------------------------------------- resize_
+def _storage_resized(tensors) -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from tracemem.tracer import MemoryTracer
+    mode = _get_current_dispatch_mode()
+    if isinstance(mode, MemoryTracer):
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                mode.storage_resized(t)
+
+
+def _discard_output(original):
+    def discard_output_and_register_recompute(self, hook_tensor):
+        outputs = self.outputs
+        original(self, hook_tensor)
+        _storage_resized(outputs or ())
+    return discard_output_and_register_recompute
+
+
+def _recompute(original):
+    def recompute(self, grad):
+        outputs = self.outputs
+        original(self, grad)
+        _storage_resized(outputs or ())
+    return recompute
+
+
 # ---------------------------------------------------------------------------- routing
 _ROUTING: dict[str, Any] = {"model": None}
 
@@ -245,6 +273,11 @@ class Patch:
         return obj, parts[-1]
 
 
+def _original(module: str, cls: str, name: str):
+    """The unpatched ``module.cls.name`` (read when ``applied()`` installs the wrapper)."""
+    return getattr(getattr(importlib.import_module(module), cls), name)
+
+
 def _leaf(name: str):
     def make():
         from tracemem.oracle import megatron_spec
@@ -286,6 +319,21 @@ PATCHES: tuple[Patch, ...] = (
           lambda: (lambda *states: None),
           "tensor_parallel/random.py _set_all_rng_states: restores the stash above; nothing "
           "to restore"),
+    Patch("megatron.core.tensor_parallel.random",
+          "CheckpointWithoutOutput.discard_output_and_register_recompute",
+          lambda: _discard_output(_original("megatron.core.tensor_parallel.random",
+                                            "CheckpointWithoutOutput",
+                                            "discard_output_and_register_recompute")),
+          "tensor_parallel/random.py CheckpointWithoutOutput.discard_output_and_register_"
+          "recompute (mla_up_proj, moe_act recompute) frees its outputs with "
+          "untyped_storage().resize_(0), below the dispatcher; the original, then the tracer "
+          "is told (MemoryTracer.storage_resized)"),
+    Patch("megatron.core.tensor_parallel.random", "CheckpointWithoutOutput._recompute",
+          lambda: _recompute(_original("megatron.core.tensor_parallel.random",
+                                       "CheckpointWithoutOutput", "_recompute")),
+          "tensor_parallel/random.py CheckpointWithoutOutput._recompute resizes the outputs' "
+          "storages back (resize_ and a storage copy_, below the dispatcher); the original, "
+          "then the tracer is told"),
     Patch(_MOE_UTILS, "HAVE_TE", lambda: True,
           "transformer/moe/moe_utils.py HAVE_TE (False without Transformer Engine): permute / "
           "unpermute / sort_chunks_by_idxs with fused=True check it before the TE kernels",

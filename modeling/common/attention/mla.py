@@ -175,6 +175,21 @@ class MLA(nn.Module):
 
     def _up_proj_megatron(self, q_compressed: Tensor, kv_compressed: Tensor,
                           k_pos_emb: Tensor) -> Tensor:
+        # get_query_key_value_tensors returns before core attention runs, so the up
+        # projections' outputs (not saved by anyone) are freed before it
+        query, key, value = self._qkv_megatron(q_compressed, kv_compressed, k_pos_emb)
+        # CP: every rank needs all keys and values (all-gather variant of context parallelism)
+        key, value = all_gather(key, self.cp, dim=1), all_gather(value, self.cp, dim=1)
+        k = self.kernels
+        if "core_attn" in self.recompute:
+            return checkpoint(k.core_attention, query, key, value, self.scale, self.attention,
+                              use_reentrant=False)
+        return k.core_attention(query, key, value, self.scale, self.attention)
+
+    def _qkv_megatron(self, q_compressed: Tensor, kv_compressed: Tensor,
+                      k_pos_emb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``qkv_up_proj_and_rope_apply`` of ``MLASelfAttention.get_query_key_value_tensors``:
+        contiguous ``query``, ``key`` ``(b, s / cp, n_local, qk_head_dim)`` and ``value``."""
         k, sp = self.kernels, self.sp
         if hasattr(self, "wq"):
             q = self.wq(q_compressed, "column", sp)
@@ -190,10 +205,4 @@ class MLA(nn.Module):
         k_pos_emb = k.rope(k_pos_emb.unsqueeze(-2), self.inv_freq)  # (b, s, 1, d_r)
         query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
         key = torch.cat([k_no_pe, k_pos_emb.expand(-1, -1, q.shape[2], -1)], dim=-1)
-        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        # CP: every rank needs all keys and values (all-gather variant of context parallelism)
-        key, value = all_gather(key, self.cp, dim=1), all_gather(value, self.cp, dim=1)
-        if "core_attn" in self.recompute:
-            return checkpoint(k.core_attention, query, key, value, self.scale, self.attention,
-                              use_reentrant=False)
-        return k.core_attention(query, key, value, self.scale, self.attention)
+        return query.contiguous(), key.contiguous(), value.contiguous()
