@@ -613,11 +613,19 @@ def fit(model, *, world_size: int, hbm: str, seq_length: int, global_batch_size:
         order = {layout: i for i, layout in enumerate(layouts)}
         rows.sort(key=lambda r: order[r.layout])
         screened_rows = list(rows)
-        over = sorted((r for r in rows if not r.fits), key=lambda r: r.needed_bytes)[:closest]
-        rows.clear()
-        total[0] += len(over)
-        runner.run(job, [[r.layout] for r in over], False, report)
-        exact = sorted(rows, key=lambda r: r.needed_bytes)
+        # the closest misses, exactly: a screened row's needs are a lower bound, so estimate
+        # in full the screened rows among the closest until the closest are all exact
+        known = {r.layout: r for r in screened_rows if not r.fits}
+        while True:
+            nearest = sorted(known.values(), key=lambda r: r.needed_bytes)[:closest]
+            todo = [r.layout for r in nearest if r.screened]
+            if not todo:
+                break
+            rows.clear()
+            total[0] += len(todo)
+            runner.run(job, [[layout] for layout in todo], False, report)
+            known.update({r.layout: r for r in rows})
+        exact = nearest if closest else []
     finally:
         runner.close()
     from tracemem.formulas.cost import rank_key

@@ -142,10 +142,11 @@ def test_fit_rows_agree_with_estimate():
     for row in result.closest:
         assert not row.screened and not row.fits and row.headroom_bytes < 0
     assert sum(r.screened for r in result.rows) == 1 and len(result.closest) == 1
-    # one rank class per stage (balanced routing), and the closest layout's again (reused)
+    # one rank class per stage (balanced routing), and the screened layout (TP 1, PP 1: one
+    # stage) again in full, its trace reused: its lower bound (4.3 MiB) was the closest
     asked = sum(result.traces.values())
-    assert asked == sum(r.layout.pp for r in result.rows) + result.closest[0].layout.pp
-    assert result.traces["reused"] >= result.closest[0].layout.pp
+    assert asked == sum(r.layout.pp for r in result.rows) + 1
+    assert result.traces["reused"] >= 1
 
 
 def test_fit_cli(capsys):
