@@ -124,10 +124,15 @@ def test_fit_rows_agree_with_estimate():
                         schedule=("1f1b",))
     # 4 MiB for PyTorch: TP 1 / PP 1's replayed peak alone (4.3 MiB) is over (screened);
     # the others pass the screen and are simulated (one 20 MiB segment: none fits)
+    seen = []
     result = fit("deepseek-tiny", world_size=4, hbm="1GiB", seq_length=64,
                  global_batch_size=4, space=space, workers=1, kernels="eager",
-                 non_pytorch_memory="1020MiB", closest=1)
+                 non_pytorch_memory="1020MiB", closest=1, progress=seen.append)
     assert len(result.rows) == 4
+    # the progress bar's figures: layouts done of total (4 families of one, then the one
+    # re-estimated), traces computed and reused so far, an ETA
+    assert [p["done"] for p in seen] == [1, 2, 3, 4, 5] and seen[-1]["total"] == 5
+    assert seen[-1]["computed"] == result.traces["computed"] and seen[-1]["eta_s"] == 0
     for row in result.rows:
         direct = estimate("deepseek-tiny", world_size=4, hbm="1GiB", seq_length=64,
                           kernels="eager", non_pytorch_memory="1020MiB",
