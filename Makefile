@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/layer_trace.py
 	$(BIN)/python benchmarks/estimate_demo.py
 	$(BIN)/python benchmarks/allocator_replay.py
+	$(BIN)/python benchmarks/fit_sweep.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

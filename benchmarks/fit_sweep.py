@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 
 from tracemem.fit import SearchSpace, fit
@@ -32,15 +33,22 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parser.add_argument("--skip-ray", action="store_true")
     args = parser.parse_args()
-    start = time.perf_counter()
+    def cpu() -> float:  # this process and its finished worker processes, user + system
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    start, cpu0 = time.perf_counter(), cpu()
     local = fit("deepseek-v3", workers=args.workers, **JOB)
-    local_s = time.perf_counter() - start
+    local_s, local_cpu = time.perf_counter() - start, cpu() - cpu0
     t = local.traces
     asked = t["computed"] + t["reused"] + t["loaded"]
     print(f"local, {local.workers} workers: {len(local.rows)} layouts ({len(local.fitting)} fit) "
           f"+ {len(local.closest)} closest in full: {local_s:.1f} s; rank-class traces "
           f"{asked} needed, {t['computed']} computed, {t['reused']} reused "
-          f"({t['reused'] / asked:.0%})")
+          f"({t['reused'] / asked:.0%}); {local_cpu:.1f} CPU s ({local_cpu / args.workers:.1f} "
+          f"s on {args.workers} idle cores); load average "
+          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if args.skip_ray:
         return
     import ray

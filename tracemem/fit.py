@@ -257,7 +257,7 @@ def _jobs(par, first, last, seq_length, global_batch_size, space, reject, check_
     out = []
     for b in space.micro_batch_size:
         if global_batch_size % (b * par.dp):
-            reject(f"--global-batch-size not a multiple of b x DP",
+            reject("--global-batch-size not a multiple of b x DP",
                    len(space.recompute) * len(space.schedule))
             continue
         m = global_batch_size // (b * par.dp)
@@ -480,8 +480,13 @@ class _Engine:
                     from None
             self.ray = ray
             if not ray.is_initialized():
-                ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                         configure_logging=False)
+                try:
+                    ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                             configure_logging=False)
+                except Exception as error:  # Ray raises ConnectionError, RuntimeError, ...
+                    raise TracememError(f"--engine ray --address {address}: Ray did not "
+                                        f"start or connect: "
+                                        f"{str(error).splitlines()[0]}") from None
                 self.started = True
             self.task = ray.remote(_run_group)
         elif workers > 1:
