@@ -118,3 +118,17 @@ def test_cli_megatron_core_refuses_a_cpu_case(capsys):
     from tracemem.cli import main
     assert main(["validate", "--against", "megatron-core", "--case", "mlp"]) == 2
     assert "--case names a CPU case" in capsys.readouterr().err
+
+
+def test_cli_json_gives_both_sides_per_layer(capsys, monkeypatch):
+    import json
+
+    from tracemem.cli import main
+    from tracemem.oracle import compare
+    monkeypatch.setattr(compare, "ORACLE_CASES", (OracleCase(),))
+    assert main(["validate", "--against", "megatron-core", "--json"]) == 0
+    (layout,) = json.loads(capsys.readouterr().out)
+    assert layout["layout"] == "TP1 EP1 ETP1" and not layout["equal"]
+    dense = layout["layers"]["0"]
+    assert dense["megatron_core"]["params"] == dense["tracemem"]["params"] == 86_432
+    assert dense["megatron_core"]["kept"] - dense["tracemem"]["kept"] == ROPE_CACHE
