@@ -45,10 +45,12 @@ def count_activated(model: Transformer, cfg: ModelConfig, include_mtp: bool = Fa
     and, in every MoE layer, the routed experts it does not go to ((N_r - k) experts of
     3 * h * moe_intermediate_size each); the output head is included. This convention gives
     DeepSeek's published "activated" figures: V3 36.6B ("37B"), V2 20.9B ("21B"), V2-Lite
-    2.45B ("2.4B")."""
-    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    layers = range(cfg.num_layers + (cfg.num_mtp_modules if include_mtp else 0))
-    unused = sum(cfg.is_moe_layer(i) for i in layers) * (
-        cfg.num_routed_experts - cfg.num_experts_per_tok) * per_expert
+    2.45B ("2.4B"). The routed experts are the parameters declared EP-sharded
+    (``modeling.parallel.groups.ParamGroup.ep``), so a user's layer without them (``replace``)
+    subtracts none."""
+    routed = sum(tensor.numel() for _, _, tensor, group in declared_tensors(model)
+                 if group.ep and (include_mtp or group.component != "mtp_layer"))
+    experts = cfg.num_routed_experts
+    unused = routed * (experts - cfg.num_experts_per_tok) // experts if experts else 0
     embedding = 0 if cfg.tie_word_embeddings else count_by_component(model)["embedding"]
     return count_total(model, include_mtp) - unused - embedding

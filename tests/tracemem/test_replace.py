@@ -286,3 +286,15 @@ def test_a_users_attention_runs_in_every_familys_tiny_model(model):
     result = estimate(model, replace={"attn": TinyAttention}, **TINY)
     assert [r.pp_stage for r in result.ranks] == [0, 1]
     assert all(r.peak_bytes > 0 for r in result.ranks)
+
+
+def test_activated_counts_subtract_only_declared_routed_experts(capsys):
+    import json
+    spec = "block=tests.tracemem.test_replace:TinyBlock"
+    assert main(["params", "--model", "deepseek-tiny", "--json", "--replace", spec]) == 0
+    result = json.loads(capsys.readouterr().out)
+    # by hand, per TinyBlock: norm 64 + attention 16,384 + MLP 2 x 64 x 128 = 32,832; the main
+    # model: 4 layers + embedding 16,384 + final norm 64 + head 16,384 = 164,160; no routed
+    # experts, so activated = total - the embedding (a lookup)
+    assert result["total"] == 4 * 32_832 + 16_384 + 64 + 16_384 == 164_160
+    assert result["activated_per_token"] == 164_160 - 16_384
