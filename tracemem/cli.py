@@ -287,12 +287,11 @@ def _add_replace_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model_flag(parser: argparse.ArgumentParser) -> None:
+    from modeling.registry import FAMILIES, PRESETS  # the one list of families and presets
+
     parser.add_argument("--model", required=True,
-                        help="a preset (deepseek-v3, deepseek-v2, deepseek-v2-lite, "
-                             "deepseek-tiny, llama-3-8b, llama-3-70b, llama-3.1-405b, "
-                             "qwen2.5-14b, ...: modeling.PRESETS) or the path of a Hugging "
-                             "Face config.json (model_type deepseek_v2, deepseek_v3, llama, "
-                             "qwen2, qwen3)")
+                        help=f"a preset ({', '.join(PRESETS)}) or the path of a Hugging Face "
+                             f"config.json (model_type {', '.join(FAMILIES)})")
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -442,15 +441,25 @@ def _run_params(args: argparse.Namespace) -> str:
         "activated_per_token": count_activated(model, cfg),
         "by_component": count_by_component(model),
     }
+    # count_activated leaves the input embedding out (a row lookup, DeepSeek-V3's "37B");
+    # Mistral's and Qwen's published activated counts keep it in, so show both
+    result["activated_per_token_with_embedding"] = (result["activated_per_token"]
+                                                    + result["by_component"]["embedding"])
     if args.json:
         return json.dumps(result, indent=2)
     rows = [[name, f"{count:,}"] for name, count in result["by_component"].items()]
     rows += [["total (main model)", f"{result['total']:,}"],
              ["total with MTP modules", f"{result['total_with_mtp']:,}"],
-             ["activated per token (main model)", f"{result['activated_per_token']:,}"]]
+             ["activated per token (main model)", f"{result['activated_per_token']:,}"],
+             ["activated + input embedding",
+              f"{result['activated_per_token_with_embedding']:,}"]]
     return (f"{cfg.name}: parameters and persistent buffers, in elements\n\n"
             + tabulate(rows, headers=["component", "count"], disable_numparse=True,
-                       colalign=("left", "right")))
+                       colalign=("left", "right"))
+            + "\n\nactivated per token: the parameters one token's forward uses (its top-k "
+              "routed experts, not the others), without the input embedding, a row lookup, "
+              "as DeepSeek-V3's \"37B\" counts; Mixtral's \"12.9B\" and Qwen3's \"3.3B\" "
+              "include it (the last row).")
 
 
 def _run_estimate(args: argparse.Namespace) -> str:

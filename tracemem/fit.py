@@ -366,8 +366,11 @@ def layout_cost(cfg, par, layout: Layout, seq_length: int) -> tuple[float, int, 
     per_tp = cost.tp_bytes(b, s, h, par.tp, par.cp) if par.tp > 1 else 0
     per_ep = cost.ep_bytes(b, s, h, cfg.num_experts_per_tok, par.ep, par.cp,
                            par.tp if par.sp else 1) if par.ep > 1 else 0
-    per_cp = cost.cp_bytes(b, s, cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim,
-                           par.tp, par.cp) if par.cp > 1 else 0
+    # CP exchanges keys and values: MLA's per-head keys and values (every head), GQA's
+    # key / value heads (head_dim each)
+    kv_heads = cfg.num_attention_heads if cfg.is_mla else cfg.num_key_value_heads
+    d_k, d_v = (cfg.qk_head_dim, cfg.v_head_dim) if cfg.is_mla else (cfg.head_dim, cfg.head_dim)
+    per_cp = cost.cp_bytes(b, s, kv_heads, d_k, d_v, par.tp, par.cp) if par.cp > 1 else 0
     best = (0, 0, 0)
     for stage in range(par.pp):
         layers = [i for chunk in par.layers_of_stage(stage, where) for i in chunk]

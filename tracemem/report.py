@@ -325,7 +325,8 @@ def _allocator_legend(result, units: str) -> str:
     conf = result.settings.get("alloc_conf") or "default settings"
     outside = result.settings.get("non_pytorch_memory_bytes", 0)
     line = (f"reserved: max_memory_reserved of PyTorch's CUDA caching allocator (simulated, "
-            f"{conf}); frag.: reserved - allocated at that peak")
+            f"{conf}); frag.: reserved - allocated when reserved first reached its peak "
+            f"(cached free blocks that did not fit the request that grew it)")
     if result.hbm_bytes is not None:
         line += (f"; fits: reserved + {_size_label(outside, units)} non-PyTorch memory (CUDA "
                  f"context, --non-pytorch-memory) <= {_size_label(result.hbm_bytes, units)}")

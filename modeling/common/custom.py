@@ -181,7 +181,8 @@ def build_replacement(factory: Callable, kind: str, ctx: LayerContext) -> nn.Mod
     """``factory(ctx)``, checked to be an ``nn.Module``.
 
     Raises:
-        TracememError: it returned something else.
+        TracememError: it returned something else, or calling it raised (the exception's
+            type and first line are kept).
     """
     try:
         module = factory(ctx)
@@ -190,6 +191,10 @@ def build_replacement(factory: Callable, kind: str, ctx: LayerContext) -> nn.Mod
     except TypeError as error:  # a factory that does not take the context
         raise TracememError(f"--replace {kind}={getattr(factory, '__name__', factory)}: "
                             f"calling it with a modeling.common.custom.LayerContext failed: "
+                            f"{error}".splitlines()[0]) from error
+    except Exception as error:  # the user's own __init__ failed: say so in one line
+        raise TracememError(f"--replace {kind}={getattr(factory, '__name__', factory)}: "
+                            f"building it raised {type(error).__name__}: "
                             f"{error}".splitlines()[0]) from error
     if not isinstance(module, nn.Module):
         raise TracememError(f"--replace {kind}={getattr(factory, '__name__', factory)} "

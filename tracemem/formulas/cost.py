@@ -114,7 +114,8 @@ def ep_bytes(b: int, s: int, h: int, top_k: int, ep: int, cp: int = 1, sp_tp: in
 
 
 def cp_bytes(b: int, s: int, heads: int, d_qk: int, d_v: int, tp: int, cp: int) -> int:
-    """CP ring bytes one rank sends per attention layer and microbatch: 3 (c - 1) *
+    """CP ring bytes one rank sends per attention layer and microbatch (``heads``: the key /
+    value heads, all of them under MLA, the query groups under GQA): 3 (c - 1) *
     b (s / c) (a / t)(d_qk + d_v) * 2 (keys and values forward; again and their gradients
     backward)."""
     return 3 * (cp - 1) * b * (s // cp) * (heads // tp) * (d_qk + d_v) * BF16

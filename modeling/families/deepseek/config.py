@@ -82,11 +82,14 @@ def config_from_dict(data: dict[str, Any], source: str) -> ModelConfig:
     heads = values["num_attention_heads"]
     kv_heads = data.get("num_key_value_heads")
     if kv_heads is not None and kv_heads != heads:
+        from modeling.registry import FAMILIES  # at call time: the registry imports this module
+
         raise TracememError(
             f"{source}: num_key_value_heads={show(kv_heads)} contradicts model_type "
             f"{model_type!r}: MLA keeps one compressed KV for all heads, so it must equal "
             f"num_attention_heads ({heads}); for grouped-query attention use a family that "
-            f"has it (model_type llama, qwen2, qwen3)")
+            f"has it (model_type "
+            f"{', '.join(t for t, f in FAMILIES.items() if f.__name__ != __name__)})")
     if data.get("attention_bias") not in (None, False):
         raise TracememError(
             f"{source}: attention_bias={show(data['attention_bias'])} contradicts model_type "
