@@ -539,7 +539,7 @@ def _add_fit_parser(sub) -> None:
             ("--tp", "tp", "tensor-parallel degrees"),
             ("--sp", "sp", "sequence parallelism where TP > 1: on, off or on,off"),
             ("--cp", "cp", "context-parallel degrees"),
-            ("--ep", "ep", "expert-parallel degrees"),
+            ("--ep", "ep", "expert-parallel degrees (a dense model: 1 unless given)"),
             ("--etp", "etp", "expert tensor-parallel degrees"),
             ("--pp", "pp", "pipeline stages"),
             ("--vpp", "vpp", "model chunks per pipeline rank"),

@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from tracemem.errors import TracememError
@@ -559,6 +559,10 @@ def fit(model, *, world_size: int, hbm: str, seq_length: int, global_batch_size:
     start = time.perf_counter()
     cfg = model if isinstance(model, ModelConfig) else load_config(model)
     space = space or SearchSpace()
+    if not cfg.is_moe and space.ep == SearchSpace.ep and space.etp == SearchSpace.etp:
+        # a dense model has no experts to spread: the MoE defaults of EP would reject every
+        # layout (estimate: "use --ep 1 --etp 1"), so its default is EP 1
+        space = replace(space, ep=(1,), etp=(1,))
     hbm_bytes = parse_bytes(hbm)
     if engine not in ENGINES:
         raise TracememError(f"--engine {engine!r} is invalid; choose one of "
@@ -581,7 +585,7 @@ def fit(model, *, world_size: int, hbm: str, seq_length: int, global_batch_size:
     layouts, rejected = enumerate_layouts(cfg, world_size, seq_length, global_batch_size,
                                           space)
     if not layouts:
-        reasons = "; ".join(f"{n} x {why}" for why, n in
+        reasons = "; ".join(f"{why} ({n} layout{'s' * (n != 1)})" for why, n in
                             sorted(rejected.items(), key=lambda kv: -kv[1])[:3])
         raise TracememError(f"no valid layout of {cfg.name} on {world_size} GPUs in the search "
                             f"space ({reasons}); widen the space flags")
@@ -672,14 +676,17 @@ def search_space(**values: str | None) -> SearchSpace:
                                 f"{', '.join(_DIMENSIONS)}, pp_ends")
         if not isinstance(text, str):
             raise TracememError(f"{flag} {text!r} must be comma-separated values, e.g. 1,2,4")
-        items = [part.strip() for part in text.split(",") if part.strip()]
+        items = [part.strip() for part in text.split(",")]
+        if "" in items:
+            raise TracememError(f"{flag} {text!r} has an empty value; give comma-separated "
+                                f"values, e.g. 1,2,4")
         kind = _DIMENSIONS[name]
         parsed: list[Any] = []
         for item in items:
             if kind is int:
                 if not item.isascii() or not item.isdigit():
-                    raise TracememError(f"{flag} value {item!r} is not a non-negative integer; "
-                                        f"give comma-separated integers, e.g. 1,2,4")
+                    raise TracememError(f"{flag} value {item!r} is not an integer; give "
+                                        f"comma-separated integers, e.g. 1,2,4")
                 parsed.append(int(item))
             elif kind == "onoff":
                 if item not in ("on", "off"):

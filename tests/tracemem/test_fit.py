@@ -79,7 +79,8 @@ def test_search_space_errors():
                           ({"zero": "4"}, "--zero value 4 is invalid"),
                           ({"pp": "0"}, "--pp value 0 is invalid"),
                           ({"pp_ends": "most"}, "--pp-ends 'most' is invalid"),
-                          ({"ep": ","}, "--ep needs at least one value")]:
+                          ({"ep": ","}, "--ep ',' has an empty value"),
+                          ({"ep": ""}, "--ep '' has an empty value")]:
         with pytest.raises(TracememError, match=match):
             search_space(**kwargs)
 
@@ -169,7 +170,7 @@ def test_fit_cli(capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--tp", "1,two"], "--tp value 'two' is not a non-negative integer"),
+    (["--tp", "1,two"], "--tp value 'two' is not an integer"),
     (["--hbm", "lots"], "--hbm 'lots' is invalid"),
     (["--tp", "3"], "no valid layout of deepseek-tiny on 4 GPUs"),
     (["--address", "auto"], "--address applies to --engine ray"),
