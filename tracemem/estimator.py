@@ -864,38 +864,8 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
     for stage, ep_ranks, ep_rank, rank, layers, static, segments, steps, replayed in prepared:
         peak, at, inflight = replayed.peak_bytes, replayed.step_index, replayed.inflight
         live, modules = replayed.by_category, replayed.by_module
-        if screened:  # reserved >= allocated >= this peak: over --hbm without the allocator
-            results.append(RankEstimate(
-                pp_stage=stage, ep_rank=ep_rank, rank=rank, layers=layers,
-                inflight_microbatches=inflight,
-                peak_step=None if at is None else
-                "optimizer" if steps[at].kind == "O" else str(steps[at]),
-                peak_phase=None if at is None else _PHASES[steps[at].kind],
-                peak_bytes=peak, parameter_bytes=static.param_bytes,
-                gradient_bytes=static.grad_bytes + live.get("gradient", 0),
-                optimizer_state_bytes=static.optimizer_bytes,
-                buffer_bytes=static.buffer_bytes + live.get("buffer", 0),
-                activation_bytes=live.get("activation", 0),
-                comm_buffer_bytes=live.get("comm_buffer", 0),
-                temporary_bytes=live.get("temporary", 0), input_bytes=live.get("input", 0),
-                zero3_gather_bytes=live.get("parameter", 0), static=static,
-                fits=False if peak + outside > hbm_bytes else None,
-                ep_ranks=tuple(ep_ranks) if ep_rank is not None else ()))
-            continue
-        label = f"stage{stage}" + ("" if ep_rank is None else f"_ep{ep_rank}")
-        timeline, allocator = replay_through_allocator(
-            replay_events(steps, par.pp, segments,
-                          lambda v, stage=stage: where.chunk_index(stage, v)), steps,
-            [("parameter", static.param_bytes), ("gradient", static.grad_bytes),
-             ("optimizer_state", static.optimizer_bytes), ("buffer", static.buffer_bytes)],
-            label.replace("stage", "stage ").replace("_ep", ", EP rank "), config=alloc_config,
-            capacity=capacity, device_total=hbm_bytes, record_history=snapshot is not None,
-            series=plot is not None)
-        if snapshot_dir is not None:
-            write_snapshot(allocator.sim, snapshot_dir / f"{label}.pickle")
-        mem = timeline.stats
-        live, modules = replayed.by_category, replayed.by_module
-        results.append(RankEstimate(
+        # what a rank's row holds with or without the allocator simulation
+        common = dict(
             pp_stage=stage, ep_rank=ep_rank, rank=rank, layers=layers,
             inflight_microbatches=inflight,
             peak_step=None if at is None else
@@ -909,14 +879,32 @@ def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int
             comm_buffer_bytes=live.get("comm_buffer", 0),
             temporary_bytes=live.get("temporary", 0), input_bytes=live.get("input", 0),
             zero3_gather_bytes=live.get("parameter", 0), static=static,
-            by_module=dict(sorted(modules.items(), key=lambda kv: -kv[1])[:10]),
+            ep_ranks=tuple(ep_ranks) if ep_rank is not None else ())
+        if screened:  # reserved >= allocated >= this peak: over --hbm without the allocator
+            results.append(RankEstimate(
+                **common, fits=False if peak + outside > hbm_bytes else None))
+            continue
+        label = f"stage{stage}" + ("" if ep_rank is None else f"_ep{ep_rank}")
+        timeline, allocator = replay_through_allocator(
+            replay_events(steps, par.pp, segments,
+                          lambda v, stage=stage: where.chunk_index(stage, v)), steps,
+            [("parameter", static.param_bytes), ("gradient", static.grad_bytes),
+             ("optimizer_state", static.optimizer_bytes), ("buffer", static.buffer_bytes)],
+            label.replace("stage", "stage ").replace("_ep", ", EP rank "), config=alloc_config,
+            capacity=capacity, device_total=hbm_bytes, record_history=snapshot is not None,
+            series=plot is not None)
+        if snapshot_dir is not None:
+            write_snapshot(allocator.sim, snapshot_dir / f"{label}.pickle")
+        mem = timeline.stats
+        results.append(RankEstimate(
+            **common, by_module=dict(sorted(modules.items(), key=lambda kv: -kv[1])[:10]),
             largest=replayed.largest, allocated_peak_bytes=mem.allocated_peak,
             reserved_peak_bytes=mem.reserved_peak, fragmentation_bytes=mem.fragmentation_bytes,
             largest_free_block_bytes=mem.largest_free_block,
             reserved_peak_step=step_at(timeline, mem.reserved_peak_event),
             fits=None if hbm_bytes is None else (mem.reserved_peak + outside <= hbm_bytes
                                                  and mem.num_ooms == 0),
-            memory=timeline, ep_ranks=tuple(ep_ranks) if ep_rank is not None else ()))
+            memory=timeline))
     settings = {"micro_batch_size": micro_batch_size, "seq_length": seq_length,
                 "num_microbatches": num_microbatches, "schedule": schedule_name,
                 "recompute": recompute,

@@ -316,19 +316,6 @@ class MoE(nn.Module):
         return out
 
 
-class _BackwardStreamWait(torch.autograd.Function):
-    """Megatron-Core's ``_BackwardStreamWait`` (transformer/moe/shared_experts.py): an
-    identity whose backward waits for the shared experts' stream; a Node, no memory."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad
-
-
 class _Identity(torch.autograd.Function):
     """Megatron-Core's collectives over a group of one (tensor_parallel/mappings.py: the
     ``_AllToAll``, ``_GatherFromSequenceParallelRegion``, ``_CopyToModelParallelRegion`` ...
@@ -341,6 +328,11 @@ class _Identity(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         return grad
+
+
+class _BackwardStreamWait(_Identity):
+    """Megatron-Core's ``_BackwardStreamWait`` (transformer/moe/shared_experts.py): an
+    identity whose backward waits for the shared experts' stream; a Node, no memory."""
 
 
 def _collective(op, t: Tensor, world: int, arg: int) -> Tensor:
