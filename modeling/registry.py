@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from modeling.common.config import ModelConfig, require_object, show
+from modeling.common.config import ModelConfig, parse_json, require_object, show
 from modeling.families.deepseek import config as deepseek
 from modeling.families.llama import config as llama
 from modeling.families.mixtral import config as mixtral
@@ -103,13 +103,7 @@ def load_config(model: str | Path) -> ModelConfig:
         raise TracememError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor "
                             f"a config.json file (or a folder holding one)")
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text()
     except (OSError, UnicodeDecodeError) as error:
         raise TracememError(f"{path}: cannot read: {error}") from None
-    except json.JSONDecodeError as error:
-        raise TracememError(f"{path}: malformed JSON: {error}") from None
-    except (ValueError, RecursionError) as error:  # a huge integer; nesting too deep
-        reason = ("nested too deeply" if isinstance(error, RecursionError) else
-                  str(error).splitlines()[0])
-        raise TracememError(f"{path}: unreadable JSON: {reason}") from None
-    return config_from_dict(data, str(path))
+    return config_from_dict(parse_json(text, str(path)), str(path))

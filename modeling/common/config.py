@@ -20,7 +20,7 @@ from typing import Any
 
 from tracemem.errors import TracememError
 
-__all__ = ["ModelConfig", "ATTENTION_KINDS", "ACTIVATIONS", "REQUIRED", "read_keys",
+__all__ = ["ModelConfig", "parse_json", "ATTENTION_KINDS", "ACTIVATIONS", "REQUIRED", "read_keys",
            "require_object", "show", "MAX_SIZE", "MAX_LAYERS"]
 
 ATTENTION_KINDS = ("mla", "gqa")
@@ -199,6 +199,23 @@ _SIZE_FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "moe_intermedi
                 "num_expert_groups", "topk_group", "max_position_embeddings",
                 "shared_expert_intermediate_size"}
 _NON_NEGATIVE = {"num_mtp_modules", "num_shared_experts", "first_k_dense_replace"}
+
+
+def parse_json(text: str, where: str) -> Any:
+    """``json.loads(text)``, or one ``TracememError`` line prefixed ``where`` (a config file,
+    a ``--routing counts:`` file): malformed JSON, a huge integer, nesting too deep.
+
+    Raises:
+        TracememError: the text is not readable JSON.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise TracememError(f"{where}: malformed JSON: {error}") from None
+    except (ValueError, RecursionError) as error:  # a huge integer; nesting too deep
+        reason = ("nested too deeply" if isinstance(error, RecursionError) else
+                  str(error).splitlines()[0])
+        raise TracememError(f"{where}: unreadable JSON: {reason}") from None
 
 
 def require_object(data: Any, source: str) -> None:

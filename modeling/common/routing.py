@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from modeling.common.config import parse_json
 from tracemem.errors import TracememError
 
 __all__ = ["RoutingModel", "Balanced", "Zipf", "Hot", "Counts", "Observed", "parse_routing",
@@ -224,14 +225,7 @@ def _load_counts(path: str) -> Counts:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise TracememError(f"--routing counts:{path}: not UTF-8 JSON text ({error})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise TracememError(f"--routing counts:{path}: malformed JSON: {error}") from None
-    except (ValueError, RecursionError) as error:  # a huge integer; nesting too deep
-        reason = ("nested too deeply" if isinstance(error, RecursionError) else
-                  str(error).splitlines()[0])
-        raise TracememError(f"--routing counts:{path}: unreadable JSON: {reason}") from None
+    data = parse_json(text, f"--routing counts:{path}")
 
     def as_list(values, where: str) -> tuple[float, ...]:
         if not isinstance(values, list) or not values or not all(
