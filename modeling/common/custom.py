@@ -34,6 +34,7 @@ needs values raises ``tracemem.errors.DataDependentOpError``, an op without a me
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -106,7 +107,7 @@ def _load(target: str, spec: str):
         sys.modules[name] = module
         try:
             loader.loader.exec_module(module)
-        except Exception as error:
+        except (Exception, SystemExit) as error:  # SystemExit: a script's exit() on import
             del sys.modules[name]
             raise TracememError(f"--replace {spec!r}: importing {target} failed: "
                                 f"{type(error).__name__}: {error}".splitlines()[0]) from error
@@ -199,7 +200,41 @@ def build_replacement(factory: Callable, kind: str, ctx: LayerContext) -> nn.Mod
     if not isinstance(module, nn.Module):
         raise TracememError(f"--replace {kind}={getattr(factory, '__name__', factory)} "
                             f"returned {type(module).__name__}, not an nn.Module")
+    module.forward = _guarded(module.forward, f"--replace {kind}="
+                              f"{getattr(factory, '__name__', factory)}")
     return module
+
+
+def _guarded(forward: Callable, label: str) -> Callable:
+    """``forward``, with any error but tracemem's own (a data-dependent op, a missing meta
+    kernel: they already name the op and the fix) said in one line, and its result held to
+    the calling convention: the input's shape ``(b, s_local, h)``.
+
+    Raises:
+        TracememError: the user's layer raised while the model ran, or returned another shape.
+    """
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        try:
+            out = forward(*args, **kwargs)
+        except TracememError:
+            raise
+        except Exception as error:
+            if type(error).__module__ == "torch.utils.checkpoint":  # its early-stop signal
+                raise
+            raise TracememError(f"{label}: its forward raised {type(error).__name__}: "
+                                f"{error}".splitlines()[0]) from error
+        x = args[0] if args else None
+        if isinstance(x, Tensor) and (not isinstance(out, Tensor)
+                                            or out.shape != x.shape):
+            got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            raise TracememError(f"{label}: its forward returned {got} for an input of "
+                                f"{tuple(x.shape)}; it must return the input's shape "
+                                f"(b, s_local, h)")
+        return out
+
+    return run
 
 
 class CustomBlock(nn.Module):
