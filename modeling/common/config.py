@@ -21,12 +21,20 @@ from typing import Any
 from tracemem.errors import TracememError
 
 __all__ = ["ModelConfig", "parse_json", "ATTENTION_KINDS", "ACTIVATIONS", "REQUIRED", "read_keys",
-           "require_object", "show", "MAX_SIZE", "MAX_LAYERS"]
+           "require_object", "show", "MAX_SIZE", "MAX_LAYERS", "NORMALIZATIONS",
+           "POSITION_EMBEDDINGS"]
 
 ATTENTION_KINDS = ("mla", "gqa")
 # Hugging Face hidden_act values of the dense MLP (transformers' ACT2FN names): silu (SwiGLU
 # when gated), gelu (exact) and gelu_pytorch_tanh (tanh approximation).
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "squared_relu")
+# Megatron-LM's --normalization choices (megatron/training/arguments.py), lower-cased; the
+# Hugging Face families are all "rmsnorm".
+NORMALIZATIONS = ("rmsnorm", "layernorm")
+# Megatron-LM's --position-embedding-type choices that tracemem builds: "rope" (every Hugging
+# Face family here), "learned_absolute" (a [max_position_embeddings, h] table added to the token
+# embedding, Megatron's GPT default) and "none".
+POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -53,10 +61,17 @@ class ModelConfig:
     num_attention_heads: int  # query heads n_h
     num_key_value_heads: int  # key/value heads (query groups); MLA: = num_attention_heads
     attention: str  # "mla" or "gqa" (ATTENTION_KINDS)
-    rms_norm_eps: float  # RMSNorm epsilon
+    rms_norm_eps: float  # RMSNorm (or LayerNorm) epsilon
     max_position_embeddings: int  # longest sequence RoPE is set up for, in tokens
     tie_word_embeddings: bool  # head shares the embedding matrix
     dtype: str  # parameter dtype of the checkpoint ("bfloat16", ...)
+    normalization: str = "rmsnorm"  # every norm: "rmsnorm" (weight) or "layernorm" (weight and
+    #                                 bias) (NORMALIZATIONS; Megatron's --normalization)
+    position_embedding: str = "rope"  # POSITION_EMBEDDINGS (Megatron's --position-embedding-type)
+    hidden_dropout: float = 0.0  # dropout probability after attention / MLP and on the
+    #                              embedding (Megatron's --hidden-dropout; its default is 0.1)
+    attention_dropout: float = 0.0  # dropout on the attention probabilities (Megatron's
+    #                                 --attention-dropout; its default is 0.1)
     # GQA / MHA / MQA (attention == "gqa")
     head_dim: int | None = None  # per-head query/key/value width; None under MLA
     qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3)
@@ -156,6 +171,14 @@ class ModelConfig:
                src)
         _check(self.hidden_act in ACTIVATIONS, "hidden_act", self.hidden_act,
                f"one of {', '.join(ACTIVATIONS)}", src)
+        _check(self.normalization in NORMALIZATIONS, "normalization", self.normalization,
+               f"one of {', '.join(NORMALIZATIONS)}", src)
+        _check(self.position_embedding in POSITION_EMBEDDINGS, "position_embedding",
+               self.position_embedding, f"one of {', '.join(POSITION_EMBEDDINGS)}", src)
+        for key in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, key)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool)
+                   and 0 <= value < 1, key, value, "a probability in [0, 1)", src)
         _check(self.num_experts_per_tok <= self.num_routed_experts, "num_experts_per_tok",
                self.num_experts_per_tok, f"at most n_routed_experts ({self.num_routed_experts})",
                src)
