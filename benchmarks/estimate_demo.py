@@ -14,7 +14,7 @@ from tracemem.estimator import estimate
 
 DEMO = dict(world_size=1024, tp=2, sp=True, pp=16, ep=8, etp=1, pp_first_stage_layers=4,
             pp_last_stage_layers=1, micro_batch_size=1, seq_length=4096, num_microbatches=16,
-            schedule_name="1f1b", recompute="none", attention="flash", zero=1,
+            schedule="1f1b", recompute="none", attention="flash", zero=1,
             precision="megatron", hbm="80GiB")
 
 

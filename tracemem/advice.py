@@ -26,16 +26,13 @@ from tracemem.errors import TracememError
 
 __all__ = ["FitCandidate", "what_fits"]
 
-_LAYOUT_KEYS = ("pp_layout", "pp_first_stage_layers", "pp_last_stage_layers")
-
-
 @dataclass(frozen=True)
 class FitCandidate:
     """One single change and its re-estimated outcome (plain data; ``as_dict`` for JSON).
 
     Attributes:
         change: the flags to add or replace, as typed on the command line.
-        changes: the ``estimate`` keywords changed, with their new values.
+        changes: the ``Job`` fields changed, with their new values.
         note: why more than one flag changes (the global batch kept), or "".
         skipped: the validator's message when the change is not possible here, else None.
         worst_peak_bytes, worst_pp_stage, worst_ep_rank: the worst rank of the re-estimate
@@ -64,16 +61,16 @@ class FitCandidate:
         return out
 
 
-def _candidates(cfg, base) -> list[tuple[str, dict[str, Any], str, str | None]]:
-    """``(flags, estimate keywords, note, skipped)`` of every single change to try."""
+def _candidates(job) -> list[tuple[str, dict[str, Any], str, str | None]]:
+    """``(flags, Job field changes, note, skipped)`` of every single change to try."""
     from tracemem.parallel import format_layout, suggest_ends, suggest_layout
 
-    par, st = base.parallel, base.settings
-    b, m = st["micro_batch_size"], st["num_microbatches"]
+    par = job.parallel
+    b, m = job.micro_batch_size, job.microbatches
     out: list[tuple[str, dict[str, Any], str, str | None]] = []
-    if st["recompute"] == "none":
+    if job.recompute == "none":
         out.append(("--recompute selective", {"recompute": "selective"}, "", None))
-    if st["recompute"] != "full":
+    if job.recompute != "full":
         out.append(("--recompute full", {"recompute": "full"}, "", None))
     if b % 2 == 0:
         out.append((f"--micro-batch-size {b // 2} --num-microbatches {2 * m}",
@@ -88,12 +85,16 @@ def _candidates(cfg, base) -> list[tuple[str, dict[str, Any], str, str | None]]:
             out.append((f"--zero {zero}", {"zero": zero}, "", None))
     out.append((f"--ep {2 * par.ep}", {"ep": 2 * par.ep}, "", None))
     pp, stages = 2 * par.pp, 2 * par.pp * par.vpp
-    layers = cfg.num_layers
+    layers = job.config.num_layers
     if stages > layers:
         out.append((f"--pp {pp}", {}, "", f"pp * vpp = {stages} stages is more than the "
                                            f"model's {layers} layers"))
         return out
-    changes: dict[str, Any] = {"pp": pp, "num_microbatches": 2 * m}
+    # a new PP: the given layout's fields give way to the new one
+    changes: dict[str, Any] = {"pp": pp, "num_microbatches": 2 * m, "pp_layout": None,
+                               "pp_first_stage_layers": None, "pp_last_stage_layers": None,
+                               "account_for_embedding_in_pipeline_split": False,
+                               "account_for_loss_in_pipeline_split": False}
     if layers % stages == 0:
         flags = ""
     elif par.vpp == 1:
@@ -110,46 +111,39 @@ def _candidates(cfg, base) -> list[tuple[str, dict[str, Any], str, str | None]]:
     return out
 
 
-def what_fits(model, base, *, progress: Callable[[str], None] | None = None,
-              **estimate_kwargs) -> list[FitCandidate]:
-    """Re-estimate ``base`` (an ``Estimate`` of ``model`` with an ``hbm``) with one setting
-    changed at a time (the module docstring lists them) and return every candidate, those
-    that fit first, then by worst peak.
+def what_fits(base, *, progress: Callable[[str], None] | None = None,
+              trace_cache=None) -> list[FitCandidate]:
+    """Re-estimate ``base`` (an ``Estimate`` with an ``hbm``) with one setting changed at a
+    time (the module docstring lists them), each a new ``Job`` made with
+    ``dataclasses.replace`` from ``base.job``, and return every candidate, those that fit
+    first, then by worst peak.
 
     Args:
-        model: what ``base`` was estimated for (a preset, a config.json path or a
-            ``ModelConfig``).
-        base: the ``Estimate`` to improve on; it needs ``hbm``.
+        base: the ``Estimate`` to improve on; its job needs ``hbm``.
         progress: called with a message before each re-estimate.
-        estimate_kwargs: the keywords ``base`` was estimated with (``tracemem.estimate``'s);
-            each candidate replaces some of them.
+        trace_cache: a ``TraceCache`` shared with ``base``'s estimate (rank classes whose
+            traces a change leaves alone are not traced again).
 
     Raises:
         TracememError: ``base`` has no ``hbm`` to fit in.
     """
-    from modeling import ModelConfig, load_config
+    from dataclasses import replace
+
     from tracemem.estimator import estimate
     from tracemem.report import get_verdict
 
     if base.hbm_bytes is None:
         raise TracememError("what_fits needs hbm (e.g. --hbm 80GiB): the memory to fit in")
-    cfg = model if isinstance(model, ModelConfig) else load_config(model)
-    kwargs = {k: v for k, v in estimate_kwargs.items() if k != "progress"}
     found = []
-    todo = _candidates(cfg, base)
+    todo = _candidates(base.job)
     for index, (flags, changes, note, skipped) in enumerate(todo):
         if skipped is not None:
             found.append(FitCandidate(flags, changes, note, skipped))
             continue
         if progress:
             progress(f"what would fit {index + 1}/{len(todo)}: {flags}")
-        run = dict(kwargs)
-        if any(key in changes for key in _LAYOUT_KEYS) or "pp" in changes:
-            for key in _LAYOUT_KEYS:
-                run.pop(key, None)
-        run |= changes
         try:
-            result = estimate(cfg, **run)
+            result = estimate(replace(base.job, **changes), trace_cache=trace_cache)
         except TracememError as error:
             found.append(FitCandidate(flags, changes, note, str(error).splitlines()[0]))
             continue

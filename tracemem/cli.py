@@ -23,7 +23,8 @@ from tracemem.report import (
     pick_units,
 )
 
-__all__ = ["build_parser", "main", "add_parallel_arguments", "parallel_config_from_args"]
+__all__ = ["build_parser", "main", "add_parallel_arguments", "parallel_config_from_args",
+           "job_from_args"]
 
 
 def _positive_int(text: str) -> int:
@@ -39,6 +40,11 @@ def _positive_int(text: str) -> int:
 class _Parser(argparse.ArgumentParser):
     """argparse, with usage errors on one line (the message names the flag and the valid
     values) and exit code 2."""
+
+    def __init__(self, *args, **kwargs):
+        # no abbreviations: a typed flag is known exactly (it overrides a Megatron job's)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -99,8 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_parallel_arguments(est)
     step = est.add_argument_group("training step")
     _add_batch_flags(step)
-    step.add_argument("--num-microbatches", type=int, required=True,
-                      help="microbatches per step per pipeline (M)")
+    step.add_argument("--num-microbatches", type=int, default=None,
+                      help="microbatches per step per pipeline (M); or give "
+                           "--global-batch-size")
+    step.add_argument("--global-batch-size", type=int, default=None,
+                      help="sequences per step (G); M = G / (b x DP), which must be an "
+                           "integer (Megatron-LM's rule)")
     step.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
                       help="pipeline schedule (default %(default)s)")
     step.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
@@ -168,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="under --zero 3, gather each unit only at its own backward (FSDP2 "
                            "prefetches the next unit's parameters by default)")
     est.add_argument("--json", action="store_true", help="print JSON, every figure in bytes")
+    est.add_argument("--print-megatron-args", action="store_true",
+                     help="print the job as Megatron-LM arguments (one flag a line) and stop")
     est.add_argument("--what-fits", action="store_true",
                      help="with --hbm, when a rank does not fit: re-estimate single changes "
                           "(recompute, micro-batch size, ZeRO stage, EP, PP; up to 7 more "
@@ -244,10 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_batch_flags(group) -> None:
     """``--micro-batch-size`` and ``--seq-length`` (the API validates them)."""
-    group.add_argument("--micro-batch-size", type=int, required=True,
-                       help="sequences per microbatch b")
-    group.add_argument("--seq-length", type=int, required=True,
-                       help="sequence length s in tokens")
+    group.add_argument("--micro-batch-size", type=int, default=None,
+                       help="sequences per microbatch b (required unless a Megatron-LM job "
+                            "gives it)")
+    group.add_argument("--seq-length", type=int, default=None,
+                       help="sequence length s in tokens (required unless a Megatron-LM job "
+                            "gives it)")
 
 
 def _add_kernel_flags(group, default: str = "megatron-te") -> None:
@@ -287,11 +301,123 @@ def _add_replace_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model_flag(parser: argparse.ArgumentParser) -> None:
+    """``--model``, or a Megatron-LM job: ``--megatron-config`` / ``--megatron-args``."""
     from modeling.registry import FAMILIES, PRESETS  # the one list of families and presets
 
-    parser.add_argument("--model", required=True,
+    parser.add_argument("--model", default=None,
                         help=f"a preset ({', '.join(PRESETS)}) or the path of a Hugging Face "
-                             f"config.json (model_type {', '.join(FAMILIES)})")
+                             f"config.json (model_type {', '.join(FAMILIES)}); or give a "
+                             f"Megatron-LM job instead (below)")
+    group = parser.add_argument_group(
+        "a Megatron-LM job, instead of --model (tracemem's own flags given beside it override "
+        "its arguments, and the output says so)")
+    group.add_argument("--megatron-config", default=None, metavar="YAML",
+                       help="a Megatron-LM functional-test model_config.yaml (MODEL_ARGS and "
+                            "ENV_VARS)")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="the vocabulary size, where Megatron reads it from a tokenizer "
+                            "file (--vocab-file, --tokenizer-model)")
+    group.add_argument("--megatron-args", nargs=argparse.REMAINDER, default=None,
+                       metavar="ARG",
+                       help="Megatron-LM arguments as on a pretrain_gpt.py command line, or "
+                            "@FILE (one or more per line); everything after this flag is "
+                            "Megatron's, so give it last")
+
+
+# Job fields set by a flag whose dest has another name
+_FIELD_DESTS = {"deallocate_pipeline_outputs": "deallocate",
+                "kernel_options": ("te_version", "shared_expert_overlap")}
+
+
+def _flag_fields(args: argparse.Namespace) -> dict:
+    """The ``Job`` fields of tracemem's flags on ``args`` (those its command has)."""
+    fields = {}
+    if hasattr(args, "num_microbatches"):  # tracemem estimate
+        fields.update(
+            micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+            num_microbatches=args.num_microbatches, global_batch_size=args.global_batch_size,
+            schedule=args.schedule, recompute=args.recompute,
+            recompute_modules=tuple(args.recompute_modules or ("core_attn",)),
+            recompute_method=args.recompute_method,
+            recompute_num_layers=args.recompute_num_layers, attention=args.attention,
+            experts=args.experts, routing=args.routing, seed=args.seed,
+            max_ep_classes=args.max_ep_classes, rounding=args.rounding,
+            deallocate_pipeline_outputs=args.deallocate, hbm=args.hbm,
+            zero3_prefetch=args.zero3_prefetch, optimizer=args.optimizer,
+            alloc_conf=args.alloc_conf,
+            **({} if args.non_pytorch_memory is None else
+               {"non_pytorch_memory": args.non_pytorch_memory}))
+    if hasattr(args, "tp"):
+        fields.update(world_size=args.world_size, **_layout_kwargs(args))
+    if hasattr(args, "kernels"):
+        fields.update(kernels=args.kernels, kernel_options=_kernel_options(args))
+    if getattr(args, "replace", None) is not None:
+        fields["replace"] = args.replace
+    return fields
+
+
+def _explicit(fields: dict, args: argparse.Namespace) -> dict:
+    """The part of ``fields`` whose flags were given on the command line (``args.given``: the
+    dests main() saw typed)."""
+    given = getattr(args, "given", set())
+    out = {}
+    for name, value in fields.items():
+        dests = _FIELD_DESTS.get(name, name)
+        if any(dest in given for dest in ((dests,) if isinstance(dests, str) else dests)):
+            out[name] = value
+    return out
+
+
+def _megatron_job(args: argparse.Namespace, **fixed):
+    """The ``Job`` of a Megatron-LM job (``--megatron-config`` then ``--megatron-args``, later
+    arguments winning as in argparse) with tracemem's typed flags overriding it (``fixed``:
+    what the command sets itself), or None when the command line gives ``--model``.
+    ``args.overrides`` lists the overridden fields.
+
+    Raises:
+        TracememError: neither or both of --model and a Megatron job; see
+            ``tracemem.frontdoors.megatron`` and ``tracemem.job.Job``.
+    """
+    from tracemem.job import Job
+
+    megatron = args.megatron_config is not None or args.megatron_args is not None
+    if not megatron:
+        if args.model is None:
+            raise TracememError("give --model (a preset or a config.json), or a Megatron-LM "
+                                "job: --megatron-config model_config.yaml or --megatron-args "
+                                "ARGS... (last)")
+        return None
+    if args.model is not None:
+        raise TracememError("--model and a Megatron-LM job (--megatron-config / "
+                            "--megatron-args) both describe the model; give one")
+    from tracemem.frontdoors.megatron import (
+        expand_megatron_args,
+        megatron_args_from_yaml,
+        megatron_job_kwargs,
+    )
+
+    argv, env = [], {}
+    if args.megatron_config is not None:
+        argv, env = megatron_args_from_yaml(args.megatron_config)
+    if args.megatron_args:
+        argv = argv + expand_megatron_args(args.megatron_args)
+    kwargs = megatron_job_kwargs(argv, env=env, world_size=getattr(args, "world_size", None),
+                                 vocab_size=args.vocab_size)
+    overrides = _explicit(_flag_fields(args), args)
+    overrides.pop("world_size", None)  # the launcher's, which Megatron does not take
+    args.overrides = sorted(overrides)
+    if "kernel_options" in overrides:
+        overrides["kernel_options"] = dict(kwargs.get("kernel_options") or {}) | \
+            overrides["kernel_options"]
+    if {"pp", "pp_layout", "pp_first_stage_layers", "pp_last_stage_layers"} & set(overrides):
+        # a layer layout of tracemem's flags replaces Megatron's whole
+        for key in ("pp_layout", "pp_first_stage_layers", "pp_last_stage_layers"):
+            kwargs[key] = overrides.pop(key, None)
+    if {"num_microbatches", "global_batch_size"} & set(overrides):
+        # a batch of tracemem's flags replaces Megatron's whole
+        kwargs["num_microbatches"] = overrides.pop("num_microbatches", None)
+        kwargs["global_batch_size"] = overrides.pop("global_batch_size", None)
+    return Job(**(kwargs | overrides | fixed))
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -462,45 +588,75 @@ def _run_params(args: argparse.Namespace) -> str:
               "include it (the last row).")
 
 
-def _run_estimate(args: argparse.Namespace) -> str:
-    from tracemem.estimator import estimate, stderr_progress
+def job_from_args(args: argparse.Namespace):
+    """The ``Job`` of ``tracemem estimate``'s command line: its flags, or a Megatron-LM job
+    with the typed flags overriding it (``_megatron_job``). The ``Job`` validates.
+
+    Raises:
+        TracememError: see ``tracemem.job.Job``; --recompute-modules without selective.
+    """
+    from tracemem.job import Job
 
     if args.recompute_modules is not None and args.recompute != "selective":
         raise TracememError(f"--recompute-modules applies to --recompute selective, not "
                             f"--recompute {args.recompute}")
+    job = _megatron_job(args)
+    if job is not None:
+        return job
+    for flag in ("micro_batch_size", "seq_length"):
+        if getattr(args, flag) is None:
+            raise TracememError(f"give --{flag.replace('_', '-')}")
+    return Job(model=args.model, origin="flags", **_flag_fields(args))
+
+
+def _run_estimate(args: argparse.Namespace) -> str:
+    from tracemem.estimator import TraceCache, estimate, stderr_progress
+
     if args.what_fits and args.hbm is None:
         raise TracememError("--what-fits needs --hbm (e.g. --hbm 80GiB): the memory to fit in")
+    job = job_from_args(args)
+    if args.print_megatron_args:
+        from tracemem.frontdoors.megatron import to_megatron_args
+
+        return _megatron_lines(to_megatron_args(job))
     progress = stderr_progress(args.quiet)
-    estimate_kwargs = dict(
-        world_size=args.world_size, micro_batch_size=args.micro_batch_size,
-        seq_length=args.seq_length, num_microbatches=args.num_microbatches,
-        schedule_name=args.schedule, recompute=args.recompute,
-        recompute_modules=tuple(args.recompute_modules or ("core_attn",)),
-        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        attention=args.attention,
-        experts=args.experts, routing=args.routing, seed=args.seed,
-        max_ep_classes=args.max_ep_classes,
-        rounding=args.rounding, deallocate_pipeline_outputs=args.deallocate,
-        hbm=args.hbm, progress=progress, zero3_prefetch=args.zero3_prefetch,
-        optimizer=args.optimizer,
-        kernels=args.kernels, kernel_options=_kernel_options(args),
-        alloc_conf=args.alloc_conf, snapshot=args.snapshot, plot=args.plot,
-        replace=args.replace,
-        **({} if args.non_pytorch_memory is None else
-           {"non_pytorch_memory": args.non_pytorch_memory}), **_layout_kwargs(args))
-    result = estimate(args.model, **estimate_kwargs)
+    cache = TraceCache()  # shared with --what-fits' re-estimates
+    result = estimate(job, progress=progress, trace_cache=cache, snapshot=args.snapshot,
+                      plot=args.plot)
     fits = None
     if args.what_fits and any(r.fits is False for r in result.ranks):
         from tracemem.advice import what_fits
 
         # the re-estimates write no snapshot or plot (those are the job's as given)
-        fits = what_fits(args.model, result, **{k: v for k, v in estimate_kwargs.items()
-                                                if k not in ("snapshot", "plot")})
+        fits = what_fits(result, progress=progress, trace_cache=cache)
     if progress:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     if args.json:
         return format_estimate_json(result, fits)
-    return format_estimate(result, units=args.units, fits=fits)
+    return _override_note(args) + format_estimate(result, units=args.units, fits=fits)
+
+
+def _override_note(args: argparse.Namespace) -> str:
+    """A line saying which Megatron arguments tracemem's typed flags replaced, or ""."""
+    if not getattr(args, "overrides", None):
+        return ""
+    flags = ", ".join("--" + name.replace("_", "-") for name in args.overrides)
+    return f"tracemem's flags override the Megatron-LM job's: {flags}\n\n"
+
+
+def _megatron_lines(arguments: list[str]) -> str:
+    """Megatron-LM arguments one flag a line, as in a launch script (``\\`` continued)."""
+    import shlex
+
+    lines, current = [], []
+    for arg in arguments:
+        if arg.startswith("--") and current:
+            lines.append(" ".join(current))
+            current = []
+        current.append(shlex.quote(arg))
+    if current:
+        lines.append(" ".join(current))
+    return " \\\n".join(lines)
 
 
 def _add_fit_parser(sub) -> None:
@@ -609,7 +765,7 @@ def _run_fit(args: argparse.Namespace) -> str:
                  cache_dir=args.cache_dir, closest=args.closest,
                  progress=progress if show else None, attention=args.attention,
                  kernels=args.kernels, kernel_options=_kernel_options(args),
-                 precision=args.precision, alloc_conf=args.alloc_conf,
+                 precision=args.precision, alloc_conf=args.alloc_conf, origin="flags",
                  **({} if args.non_pytorch_memory is None else
                     {"non_pytorch_memory": args.non_pytorch_memory}))
     if show:
@@ -819,10 +975,28 @@ def _run_validate_megatron(args: argparse.Namespace) -> str:
     return format_results(results)
 
 
+def _typed_dests(parser: argparse.ArgumentParser, command: str, argv: list[str]) -> set[str]:
+    """The dests of the flags typed in ``argv`` for ``command`` (up to ``--megatron-args``,
+    after which the arguments are Megatron's)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = {opt: action.dest for action in sub.choices[command]._actions
+               for opt in action.option_strings}
+    given = set()
+    for token in argv:
+        if token == "--megatron-args":
+            break
+        name = token.split("=", 1)[0]
+        if name in options:
+            given.add(options[name])
+    return given
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. Returns the exit code: 0, or 2 for a usage error."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.given = _typed_dests(parser, args.command, argv)
     try:
         commands = {"crosscheck": _run_crosscheck, "demo": _run_toy, "toy": _run_toy,
                     "estimate": _run_estimate, "inventory": _run_inventory,

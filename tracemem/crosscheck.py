@@ -308,7 +308,7 @@ def schedule_rows(model: str = "deepseek-v3", *, b: int = 1, s: int = 4096,
     rows = []
     for name in schedules:
         result = estimate(model, micro_batch_size=b, seq_length=s,
-                          num_microbatches=num_microbatches, schedule_name=name,
+                          num_microbatches=num_microbatches, schedule=name,
                           **layout, **options)
         par = result.parallel
         where = placement(name, par.pp, par.vpp, num_microbatches)

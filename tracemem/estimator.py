@@ -1,5 +1,8 @@
-"""``estimate``: the peak memory of every distinct rank of a training job, by tracing one rank
-per class on the meta device and replaying its microbatches in pipeline-schedule order.
+"""``estimate(job)``: the peak memory of every distinct rank of a training job (a
+``tracemem.job.Job``), by tracing one rank per class on the meta device and replaying its
+microbatches in pipeline-schedule order. The stages, each a function: ``rank_classes``,
+``trace_classes`` (through a ``TraceCache``), ``replay_class``, ``allocator_row`` (or
+``screened_row``), then the ``Estimate``, which carries its ``Job``.
 
 For each rank class (a pipeline stage; under skewed routing, the stage's most loaded EP rank)
 the rank's model (``build_rank``) runs two microbatches, forward and backward, under a
@@ -25,7 +28,6 @@ Conventions, each a line item:
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,8 +38,8 @@ from typing import NamedTuple
 import torch
 
 from modeling.common.block import Block
-from modeling import ModelConfig, load_config
-from modeling.common.custom import CustomBlock, resolve_replacements
+from modeling import ModelConfig
+from modeling.common.custom import CustomBlock
 from modeling.kernels import KernelProfile, get_profile
 from modeling.parallel.build import build_rank, coordinates
 from modeling.parallel.groups import numel_by_kind
@@ -47,65 +49,37 @@ from modeling.parallel.pp import (
     recv_forward,
     send_forward,
 )
-from modeling.common.routing import Counts, RoutingModel, parse_routing
+from modeling.common.routing import Counts, RoutingModel
 from tracemem.categories import Category, Phase
 from tracemem.errors import TracememError
-from tracemem.memory import MemoryTimeline, parse_alloc_conf, write_snapshot
+from tracemem.job import (  # noqa: F401  (re-exported: their home was here)
+    MAX_EP_CLASSES,
+    MAX_HBM_BYTES,
+    MAX_MICROBATCHES,
+    MAX_TOKENS,
+    NON_PYTORCH_MEMORY_DEFAULT,
+    Job,
+    check_job,
+    parse_bytes,
+)
+from tracemem.memory import MemoryTimeline, write_snapshot
 from tracemem.memory.plot import check_plot_path, plot_timelines
 from tracemem.memory.timeline import replay_through_allocator, step_at
-from tracemem.optimizer_step import check_optimizer, trace_optimizer_step
+from tracemem.optimizer_step import trace_optimizer_step
 from tracemem.parallel import SHARDING, ParallelConfig
-from tracemem.schedules import SCHEDULES, Placement, Step, placement, schedule
-from tracemem.recompute import apply_recompute_method, check_recompute_method
+from tracemem.schedules import Placement, Step, placement
+from tracemem.recompute import apply_recompute_method
 from tracemem.split_backward import backward_input
 from tracemem.static import StaticMemory, fused_wgrad_modules, is_fused_wgrad, static_memory
 from tracemem.tracer import MemoryEvent, MemoryTracer
 from tracemem.zero3 import Zero3Gathers
 
 __all__ = ["RankEstimate", "Estimate", "estimate", "parse_bytes", "Segments", "ReplayPeak",
-           "TraceCache", "CachedEvent", "check_job",
-           "replay_schedule", "replay_events", "ReplayedEvent", "segment_key"]
+           "TraceCache", "CachedEvent", "check_job", "Job", "RankClass", "TracedClass",
+           "rank_classes", "trace_classes", "replay_class", "screened_row", "allocator_row",
+           "trace_key", "step_key", "replay_schedule", "replay_events", "ReplayedEvent",
+           "segment_key"]
 
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-
-
-MAX_HBM_BYTES = 2**50  # 1 PiB: more than any accelerator holds
-MAX_TOKENS = 2**32  # tokens per microbatch (b x s): beyond any machine's memory for one layer
-MAX_MICROBATCHES = 2**20  # microbatches per step: the replay is linear in them
-
-
-def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
-    """``"80GiB"`` -> 85899345920. Units: B, KiB, MiB, GiB, TiB (binary). ``zero`` also
-    accepts a size of 0.
-
-    Raises:
-        TracememError: not a string, not a number followed by one of those units, below one
-            byte (other than 0 with ``zero``), or more than 1 PiB (``MAX_HBM_BYTES``: no device
-            holds that); the message names ``flag``.
-    """
-    if not isinstance(text, str):
-        raise TracememError(f"{flag} {text!r} is invalid; give a size as text, such as 80GiB")
-    for unit in sorted(_UNITS, key=len, reverse=True):
-        if text.endswith(unit):
-            try:
-                value = float(text[:-len(unit)]) * _UNITS[unit]
-            except (ValueError, OverflowError):
-                break
-            if 1 <= value <= MAX_HBM_BYTES or (zero and value == 0):
-                return int(value)
-            if value > MAX_HBM_BYTES:  # inf included; NaN compares false
-                raise TracememError(f"{flag} {text!r} is more than 1 PiB; no device holds that")
-            break
-    raise TracememError(f"{flag} {text!r} is invalid; give a {'' if zero else 'positive '}"
-                        f"size of whole bytes such as 80GiB or 141GiB (units "
-                        f"{', '.join(_UNITS)})")
-
-
-# Device memory outside PyTorch's caching allocator, added to the reserved peak when judging
-# --hbm: the CUDA context. With CUDA's lazy module loading (11.7+) it is about 300 MB
-# (pytorch/pytorch#107667, ptrblck, 2023) to 300-400 MB (pytorch/pytorch#20532), rounded up
-# here; NCCL communicator buffers are not included (they depend on the job: measure them).
-NON_PYTORCH_MEMORY_DEFAULT = "512MiB"
 
 
 @dataclass(frozen=True)
@@ -176,14 +150,28 @@ class RankEstimate:
 
 @dataclass(frozen=True)
 class Estimate:
-    """The result of ``estimate``: one ``RankEstimate`` per rank class, and the settings."""
+    """The result of ``estimate``: the ``Job`` and one ``RankEstimate`` per rank class;
+    ``screened``: ``estimate(screen=True)`` skipped the allocator (the job does not fit)."""
 
-    model: str
-    parallel: ParallelConfig
-    settings: dict
+    job: Job
     ranks: list[RankEstimate]
-    hbm_bytes: int | None = None
-    screened: bool = False  # estimate(screen=True) skipped the allocator: does not fit
+    screened: bool = False
+
+    @property
+    def model(self) -> str:
+        return self.job.config.name
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.job.parallel
+
+    @property
+    def hbm_bytes(self) -> int | None:
+        return self.job.hbm_bytes
+
+    @property
+    def settings(self) -> dict:
+        return self.job.settings()
 
     @property
     def worst(self) -> RankEstimate:
@@ -576,9 +564,6 @@ def _check_counts_cover(cfg: ModelConfig, routing: RoutingModel) -> None:
                 f"layer {cfg.num_layers - 1} + i)")
 
 
-MAX_EP_CLASSES = 8  # default cap on EP-rank classes traced per pipeline stage
-
-
 def _ranks_text(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
     runs: list[list[int]] = []
@@ -622,309 +607,277 @@ def ep_rank_classes(cfg: ModelConfig, par: ParallelConfig, stage: int, routing: 
     return list(classes.values())
 
 
-@functools.lru_cache(maxsize=256)
-def _schedule(name: str, pp: int, vpp: int, num_microbatches: int) -> list[list[Step]]:
-    """``tracemem.schedules.schedule``, once per arguments (its DAG check grows with pp * M;
-    a ``fit`` sweep asks for the same few many times). Callers do not mutate the lists."""
-    return schedule(name, pp, vpp, num_microbatches)
+@dataclass(frozen=True)
+class RankClass:
+    """One rank class of a job (``rank_classes``): pipeline rank ``stage``; ``ep_ranks``, the
+    EP ranks that trace alike (all of them under balanced routing); ``num_classes``, how many
+    classes the stage has; ``rank``, the global rank traced; ``layers``, its decoder layers;
+    ``signature``, what its trace depends on within the job (stages of one signature share
+    one trace); ``chunks``, the layers per model chunk of the first stage of that
+    signature."""
+
+    stage: int
+    ep_ranks: tuple[int, ...]
+    ep_rank: int | None
+    num_classes: int
+    rank: int
+    layers: tuple[int, ...]
+    kinds: frozenset[str]
+    signature: tuple
+    chunks: tuple[tuple[int, ...], ...]
 
 
-def check_job(par: ParallelConfig, *, micro_batch_size: int, seq_length: int,
-              num_microbatches: int, schedule_name: str, recompute: str) -> list[list[Step]]:
-    """The checks of a job beyond its layout (``ParallelConfig.create``), which ``estimate``
-    runs and ``tracemem fit`` uses to enumerate valid layouts: b, s and M positive and bounded,
-    SP with TP and EP (Megatron-Core's ``ModelParallelConfig``), s divisible by CP x SP, the
-    schedule's own rules (``tracemem.schedules.schedule``) and what its W steps do not yet
-    trace. Returns the schedule's steps per rank.
+@dataclass
+class TracedClass:
+    """A rank class with its traces (``trace_classes``): the static memory, the event
+    segments, the schedule steps it replays (the optimizer step "O" last) and, after
+    ``replay_class``, its replay."""
+
+    unit: RankClass
+    static: StaticMemory
+    segments: Segments
+    steps: list[Step]
+    replayed: ReplayPeak | None = None
+
+
+def rank_classes(job: Job) -> list[RankClass]:
+    """Every rank class of ``job``: each pipeline stage, and under routing other than
+    balanced with EP > 1 each class of its EP ranks that trace alike (``ep_rank_classes``).
 
     Raises:
-        TracememError: the first check that fails, naming the flag, the value and a fix.
+        TracememError: a stage with more EP-rank classes than ``job.max_ep_classes``.
     """
-    for flag, value in (("--micro-batch-size", micro_batch_size), ("--seq-length", seq_length),
-                        ("--num-microbatches", num_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise TracememError(f"{flag} {value!r} must be a positive integer")
-    if micro_batch_size * seq_length > MAX_TOKENS:
-        raise TracememError(
-            f"--micro-batch-size {micro_batch_size} x --seq-length {seq_length} = "
-            f"{micro_batch_size * seq_length:,} tokens per microbatch is more than 2^32; no "
-            f"machine holds one layer's activations for that")
-    if num_microbatches > MAX_MICROBATCHES:
-        raise TracememError(f"--num-microbatches {num_microbatches} is more than 2^20; the "
-                            f"replay's work grows with it (and no job runs that many)")
-    if par.tp > 1 and par.ep > 1 and not par.sp:
-        raise TracememError("--tp > 1 with --ep > 1 needs --sp (Megatron-Core's "
-                            "ModelParallelConfig: with expert and tensor parallelism, sequence "
-                            "parallelism must be used)")
-    split = par.cp * (par.tp if par.sp else 1)
-    if seq_length % split:
-        raise TracememError(f"--seq-length {seq_length} must be a multiple of cp * sp = "
-                            f"{split} (the sequence is split across them)")
-    if not isinstance(schedule_name, str):
-        raise TracememError(f"--schedule {schedule_name!r} is invalid; choose one of "
-                            f"{', '.join(SCHEDULES)}")
-    steps_by_rank = _schedule(schedule_name, par.pp, par.vpp, num_microbatches)
-    if any(s.kind == "W" for steps in steps_by_rank for s in steps):
-        if recompute != "none":
-            raise TracememError(f"--schedule {schedule_name} defers weight gradients (W "
-                                f"steps), which tracemem does not yet trace with --recompute "
-                                f"{recompute} (checkpointed tensors unpack once); use "
-                                f"--recompute none")
-        if par.zero == 3:
-            raise TracememError(f"--schedule {schedule_name} defers weight gradients (W "
-                                f"steps), which tracemem does not yet trace with --zero 3 "
-                                f"(W would gather the parameters again); use --zero 1 or 2")
-    return steps_by_rank
+    cfg, par, where = job.config, job.parallel, _placement(job)
+    tokens = job.micro_batch_size * job.seq_length // (par.cp * (par.tp if par.sp else 1))
+    out: list[RankClass] = []
+    representative: dict[tuple, tuple] = {}  # signature -> the first stage's chunks
+    for stage in range(par.pp):
+        classes = [list(range(par.ep))]
+        if job.routing != "balanced" and par.ep > 1:
+            classes = ep_rank_classes(cfg, par, stage, job.routing_model, tokens, where)
+            if len(classes) > job.max_ep_classes:
+                raise TracememError(
+                    f"--routing {job.routing} gives pipeline stage {stage} {len(classes)} "
+                    f"distinct EP-rank loads (EP ranks whose experts receive different token "
+                    f"counts), each traced once; the cap is --max-ep-classes "
+                    f"{job.max_ep_classes}: raise it to {len(classes)} (about {len(classes)} "
+                    f"traces per stage)")
+        by_chunk = tuple(tuple(c) for c in par.layers_of_stage(stage, where))
+        layers = tuple(i for chunk in by_chunk for i in chunk)
+        held = where.chunks_of(stage)
+        kinds = frozenset(s.kind for s in job.steps[stage]) & {"B", "I"}
+        for ep_ranks in classes:
+            ep_rank = None if len(ep_ranks) == par.ep else ep_ranks[0]
+            rank = stage * (par.world_size // par.pp) + (ep_rank or 0) * par.etp
+            assert coordinates(par, rank).ep_rank == (ep_rank or 0)
+            signature = (0 in held, where.num_chunks - 1 in held, ep_rank,
+                         tuple(len(c) for c in by_chunk),
+                         tuple(cfg.is_moe_layer(i) for i in layers),
+                         None if job.routing == "balanced" else layers, kinds)
+            # stages of one signature share the first one's trace (its module paths
+            # included), in this call and, through the cache, in any call with the same key
+            chunks = representative.setdefault(signature, by_chunk)
+            out.append(RankClass(stage, tuple(ep_ranks), ep_rank, len(classes), rank, layers,
+                                 kinds, signature, chunks))
+    return out
 
 
-def estimate(model: str | ModelConfig, *, world_size: int, micro_batch_size: int,
-             seq_length: int, num_microbatches: int, schedule_name: str = "1f1b",
-             recompute: str = "none", recompute_modules: tuple[str, ...] = ("core_attn",),
-             recompute_method: str = "uniform", recompute_num_layers: int = 1,
-             attention: str = "flash", experts: str = "auto", routing: str = "balanced",
-             seed: int = 0, rounding: int | None = 512, deallocate_pipeline_outputs: bool = True,
-             hbm: str | None = None, progress: Callable[[str], None] | None = None,
-             zero3_prefetch: bool = True, kernels: str = "megatron-te",
-             kernel_options: dict | None = None, alloc_conf: str | None = None,
-             non_pytorch_memory: str = NON_PYTORCH_MEMORY_DEFAULT, snapshot: str | None = None,
-             plot: str | None = None, optimizer: str = "fused",
-             max_ep_classes: int = MAX_EP_CLASSES, replace=None,
+def _placement(job: Job) -> Placement:
+    return placement(job.schedule, job.parallel.pp, job.parallel.vpp, job.microbatches)
+
+
+def trace_key(job: Job) -> tuple | None:
+    """What a rank class's forward / backward trace depends on beyond its signature
+    (``TraceCache``), or None when it cannot be shared (the user's own layers, a counts
+    file's routing)."""
+    from modeling.common.routing import Counts
+
+    par, profile = job.parallel, job.profile
+    if isinstance(job.routing_model, Counts) or job.replacements:
+        return None
+    full, selective = job.recompute == "full", job.recompute == "selective"
+    return (repr(job.config), par.tp, par.sp, par.cp, par.ep, par.etp, par.plan,
+            par.precision_spec.gradient_accumulation_fusion,
+            # ZeRO-3's traced gathers: the unit shards (tracemem.zero3)
+            (par.zero, tuple(par.shards(r.quantity, r.kind) for r in SHARDING))
+            if par.zero == 3 else None,
+            job.micro_batch_size, job.seq_length, (job.routing, job.seed), job.attention,
+            job.experts, job.recompute, job.recompute_modules if selective else (),
+            (job.recompute_method, job.recompute_num_layers) if full else None,
+            job.deallocate_pipeline_outputs, job.rounding, profile.name,
+            tuple(sorted(profile.options.items())), job.zero3_prefetch)
+
+
+def step_key(job: Job) -> tuple:
+    """What the static memory and the optimizer step depend on (``TraceCache``'s second
+    key): the ZeRO stage, the shards, the precision recipe and the optimizer."""
+    par = job.parallel
+    return (par.zero, tuple(par.shards(r.quantity, r.kind) for r in SHARDING),
+            repr(par.precision_spec), job.optimizer)
+
+
+def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
+                  progress: Callable[[str], None] | None = None) -> list[TracedClass]:
+    """Each class's static memory and segments, from ``cache`` or traced (``_trace_fb``, then
+    ``_trace_step`` for the optimizer step), with the schedule steps it replays."""
+    par, where = job.parallel, _placement(job)
+    key, step = trace_key(job), step_key(job)
+    if key is None:  # nothing to share with other calls
+        cache = TraceCache()
+    out = []
+    for unit in classes:
+        if progress:
+            progress(f"tracing pipeline stage {unit.stage + 1}/{par.pp}" + (
+                f", EP ranks {_ranks_text(list(unit.ep_ranks))}" if unit.num_classes > 1
+                else ""))
+
+        def trace(unit=unit):
+            return _trace_fb(
+                job.config, par, unit.rank, b=job.micro_batch_size, s=job.seq_length,
+                routing=job.routing_model, attention=job.attention, experts=job.experts,
+                recompute=job.recompute, recompute_modules=frozenset(job.recompute_modules),
+                recompute_method=(job.recompute_method, job.recompute_num_layers),
+                deallocate=job.deallocate_pipeline_outputs, rounding=job.rounding,
+                zero3_prefetch=job.zero3_prefetch, kernels=job.profile, where=where,
+                kinds=unit.kinds, replace=job.replacements)
+        static, segments = cache.get((key, unit.signature, unit.chunks), step, trace,
+                                     lambda model, tracer, fb: _trace_step(
+                                         model, tracer, par, job.optimizer, fb))
+        steps = job.steps[unit.stage]
+        # the optimizer step after the schedule's last step, on the traced "O" segment
+        first = next(s for s in steps if where.chunk_index(unit.stage, s.stage) == 0)
+        out.append(TracedClass(unit, static, segments, steps + [Step(first.stage, "O", 0)]))
+    return out
+
+
+def replay_class(job: Job, traced: TracedClass) -> ReplayPeak:
+    """The class's schedule replayed over its segments on top of its static memory
+    (``replay_schedule``; ZeRO-3 gathers are traced events, not the static line item)."""
+    stage, where = traced.unit.stage, _placement(job)
+    traced.replayed = replay_schedule(
+        traced.steps, job.parallel.pp, traced.segments,
+        traced.static.total_bytes - traced.static.zero3_gather_bytes,
+        lambda v: where.chunk_index(stage, v))
+    return traced.replayed
+
+
+def _row_fields(traced: TracedClass) -> dict:
+    """What a rank's row holds with or without the allocator simulation."""
+    unit, static, steps, replayed = traced.unit, traced.static, traced.steps, traced.replayed
+    at, live = replayed.step_index, replayed.by_category
+    return dict(
+        pp_stage=unit.stage, ep_rank=unit.ep_rank, rank=unit.rank, layers=list(unit.layers),
+        inflight_microbatches=replayed.inflight,
+        peak_step=None if at is None else
+        "optimizer" if steps[at].kind == "O" else str(steps[at]),
+        peak_phase=None if at is None else _PHASES[steps[at].kind],
+        peak_bytes=replayed.peak_bytes, parameter_bytes=static.param_bytes,
+        gradient_bytes=static.grad_bytes + live.get("gradient", 0),
+        optimizer_state_bytes=static.optimizer_bytes,
+        buffer_bytes=static.buffer_bytes + live.get("buffer", 0),
+        activation_bytes=live.get("activation", 0),
+        comm_buffer_bytes=live.get("comm_buffer", 0),
+        temporary_bytes=live.get("temporary", 0), input_bytes=live.get("input", 0),
+        zero3_gather_bytes=live.get("parameter", 0), static=static,
+        ep_ranks=unit.ep_ranks if unit.ep_rank is not None else ())
+
+
+def screened_row(job: Job, traced: TracedClass) -> RankEstimate:
+    """A row without the allocator: reserved >= allocated >= the replayed peak, so a rank
+    already over ``hbm`` does not fit; the others are unknown (None)."""
+    over = traced.replayed.peak_bytes + job.non_pytorch_memory_bytes > job.hbm_bytes
+    return RankEstimate(**_row_fields(traced), fits=False if over else None)
+
+
+def allocator_row(job: Job, traced: TracedClass, snapshot_dir: Path | None = None,
+                  series: bool = False) -> RankEstimate:
+    """A row with the replay through the simulated CUDA caching allocator
+    (``tracemem.memory``): allocated and reserved peaks, fragmentation, the verdict; with
+    ``snapshot_dir`` a snapshot pickle per class, with ``series`` the timeline for a plot."""
+    unit, static, replayed = traced.unit, traced.static, traced.replayed
+    stage, where = unit.stage, _placement(job)
+    hbm = job.hbm_bytes
+    label = f"stage{stage}" + ("" if unit.ep_rank is None else f"_ep{unit.ep_rank}")
+    timeline, allocator = replay_through_allocator(
+        replay_events(traced.steps, job.parallel.pp, traced.segments,
+                      lambda v: where.chunk_index(stage, v)), traced.steps,
+        [("parameter", static.param_bytes), ("gradient", static.grad_bytes),
+         ("optimizer_state", static.optimizer_bytes), ("buffer", static.buffer_bytes)],
+        label.replace("stage", "stage ").replace("_ep", ", EP rank "),
+        config=job.alloc_config,
+        capacity=None if hbm is None else hbm - job.non_pytorch_memory_bytes,
+        device_total=hbm, record_history=snapshot_dir is not None, series=series)
+    if snapshot_dir is not None:
+        write_snapshot(allocator.sim, snapshot_dir / f"{label}.pickle")
+    mem = timeline.stats
+    return RankEstimate(
+        **_row_fields(traced),
+        by_module=dict(sorted(replayed.by_module.items(), key=lambda kv: -kv[1])[:10]),
+        largest=replayed.largest, allocated_peak_bytes=mem.allocated_peak,
+        reserved_peak_bytes=mem.reserved_peak, fragmentation_bytes=mem.fragmentation_bytes,
+        largest_free_block_bytes=mem.largest_free_block,
+        reserved_peak_step=step_at(timeline, mem.reserved_peak_event),
+        fits=None if hbm is None else (
+            mem.reserved_peak + job.non_pytorch_memory_bytes <= hbm and mem.num_ooms == 0),
+        memory=timeline)
+
+
+def estimate(job: Job | str | ModelConfig, /, *, progress: Callable[[str], None] | None = None,
              trace_cache: TraceCache | None = None, screen: bool = False,
-             **layout) -> Estimate:
-    """Peak memory of every distinct rank.
+             snapshot: str | None = None, plot: str | None = None, **fields) -> Estimate:
+    """Peak memory of every distinct rank of ``job``.
+
+    The stages the data goes through, each its own function: ``rank_classes`` (pipeline
+    stage x EP-rank class), ``trace_classes`` (traces through ``trace_cache``),
+    ``replay_class`` (the schedule replayed over the traces), ``allocator_row`` (the replay
+    through the simulated caching allocator; ``screened_row`` without it) and the
+    ``Estimate``.
 
     Args:
-        model: a preset name, a config.json path, or a ``ModelConfig``.
-        world_size, layout: the parallel layout (``ParallelConfig.create`` keywords: tp, sp,
-            cp, ep, etp, pp, vpp, pp_layout, pp_first_stage_layers, pp_last_stage_layers,
-            zero, precision, plan).
-        micro_batch_size, seq_length, num_microbatches: b, s (tokens) and M per step.
-        schedule_name: ``tracemem.schedules.SCHEDULES``.
-        recompute, recompute_modules: ``modeling.common.block.Block.set_recompute``.
-        recompute_method, recompute_num_layers: under full recompute, Megatron's
-            ``--recompute-method uniform|block`` and ``--recompute-num-layers``
-            (``tracemem.recompute``; default uniform 1: every layer on its own).
-        attention, experts: kernels (``modeling.common.attention.mla``, ``modeling.common.moe``).
-        kernels, kernel_options: the kernel profile (``modeling.kernels.KERNEL_PROFILES``:
-            "megatron-te", the default, "torch" or "eager") and its options
-            (``modeling.kernels.MEGATRON_TE_OPTIONS``).
-        routing, seed: a routing model spec (``modeling.common.routing.parse_routing``). Under
-            routing other than balanced with EP > 1, every class of EP ranks that trace alike
-            (``ep_rank_classes``) is traced and reported, one ``RankEstimate`` each.
-        max_ep_classes: the most EP-rank classes traced per pipeline stage (default 8); more
-            raises TracememError naming the count (the work grows with it).
-        rounding: CUDA block rounding in bytes (512), or 0 or None for exact bytes.
-        hbm: device memory, e.g. "80GiB", to say whether each rank fits.
+        job: a ``tracemem.job.Job``; or a model (preset, config.json path or
+            ``ModelConfig``) with the job's fields as keywords (``Job.create``: the names are
+            the CLI's, ``schedule`` not ``schedule_name``; an unknown one is refused).
         progress: called with a message before each rank class is traced.
-        zero3_prefetch: under ZeRO-3, FSDP2's implicit backward prefetch of the next unit
-            (``tracemem.zero3``; default on, as in FSDP2).
-        alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` string for the simulated caching allocator
-            (``tracemem.memory.parse_alloc_conf``), e.g. "expandable_segments:True".
-        non_pytorch_memory: device memory outside PyTorch's allocator (CUDA context; add
-            NCCL's buffers), e.g. "1GiB"; ``--hbm`` is judged against reserved + this, and
-            the simulated allocator gets ``hbm`` minus this (default
-            ``NON_PYTORCH_MEMORY_DEFAULT``, sourced there).
-        snapshot: a directory to write one ``torch.cuda.memory._snapshot()`` pickle per rank
-            class into (``stage3.pickle``, ``stage3_ep5.pickle``).
-        plot: a .png or .svg file to draw every rank class's memory over the step into.
-        optimizer: the step's Adam: "fused" (Megatron's TE / apex FusedAdam, the default) or
-            "torch" (``torch.optim.Adam``, foreach); ``tracemem.optimizer_step``.
-        replace: the user's own layers (``modeling.common.custom.resolve_replacements``): a dict
-            ``{"attn" | "mlp" | "block": class or factory or "pkg.mod:Name"}`` or a list of
-            "kind=pkg.mod:Name" strings (``--replace``); their parameters are sharded by the
-            groups they declare (``modeling.parallel.groups``). An op in them that needs
-            tensor values raises ``DataDependentOpError``, one with no meta kernel
-            ``MissingMetaKernelError`` (``tracemem.errors``).
         trace_cache: a ``TraceCache`` to take rank-class traces from and add them to, shared
-            by the estimates of one run (``tracemem fit``); default: a fresh one per call.
-            Results are the same either way.
+            by the estimates of one run (``tracemem fit``, ``--what-fits``); default: a fresh
+            one per call. Results are the same either way.
         screen: with ``hbm``: when any rank class's replayed peak (``peak_bytes``) plus
             ``non_pytorch_memory`` is already over ``hbm``, skip the allocator simulation of
             every rank class (its reserved peak can only be higher, so the job does not fit)
             and return ``Estimate.screened`` True: allocator figures 0, ``fits`` False for the
             ranks over and None for the others.
+        snapshot: a directory to write one ``torch.cuda.memory._snapshot()`` pickle per rank
+            class into (``stage3.pickle``, ``stage3_ep5.pickle``).
+        plot: a .png or .svg file to draw every rank class's memory over the step into.
 
     Raises:
-        TracememError: any invalid input, with the flag, the value and a fix.
+        TracememError: any invalid input, with the flag, the value and a fix (``Job``);
+            fields beside a ``Job``.
     """
-    cfg = model if isinstance(model, ModelConfig) else load_config(model)
-    par = ParallelConfig.create(cfg, world_size=world_size, **layout)
-    if isinstance(max_ep_classes, bool) or not isinstance(max_ep_classes, int) \
-            or max_ep_classes <= 0:
-        raise TracememError(f"--max-ep-classes {max_ep_classes!r} must be a positive integer")
-    steps_by_rank = check_job(par, micro_batch_size=micro_batch_size, seq_length=seq_length,
-                              num_microbatches=num_microbatches, schedule_name=schedule_name,
-                              recompute=recompute)
-    if rounding is not None and (isinstance(rounding, bool) or not isinstance(rounding, int)
-                                 or rounding < 0):
-        raise TracememError(f"--rounding {rounding!r} must be 0 (exact bytes) or a positive "
-                            f"number of bytes")
-    rounding = rounding or None  # 0: exact bytes, as None
-    split = par.cp * (par.tp if par.sp else 1)
-    check_recompute_method(recompute, recompute_method, recompute_num_layers)
-    hbm_bytes = parse_bytes(hbm) if hbm is not None else None
-    kernel_options = dict(kernel_options or {})
-    fusion = par.precision_spec.gradient_accumulation_fusion
-    if fusion is not None and kernels == "megatron-te":  # one flag: the precision field's
-        if kernel_options.setdefault("gradient_accumulation_fusion", fusion) != fusion:
-            raise TracememError(f"gradient_accumulation_fusion={fusion} and kernel_options' "
-                                f"gradient_accumulation_fusion disagree; give one")
-    profile = get_profile(kernels, **kernel_options)
-    check_optimizer(optimizer, par)
-    alloc_config = parse_alloc_conf(alloc_conf)
-    outside = parse_bytes(non_pytorch_memory, "--non-pytorch-memory", zero=True)
-    capacity = None if hbm_bytes is None else hbm_bytes - outside
-    if capacity is not None and capacity <= 0:
-        raise TracememError(f"--non-pytorch-memory {non_pytorch_memory} leaves nothing of "
-                            f"--hbm {hbm} for PyTorch")
+    if isinstance(job, Job):
+        if fields:
+            raise TracememError(f"estimate(job, {next(iter(fields))}=...): change a Job with "
+                                f"dataclasses.replace(job, ...) or job.with_changes(...)")
+    else:
+        job = Job.create(job, **fields)
     snapshot_dir = _output_dir(snapshot) if snapshot is not None else None
     if plot is not None:
         check_plot_path(plot)
-    routing_model = parse_routing(routing, seed)
-    # what identifies the routing in a trace key; counts files are read now, so not cached
-    routing_model_key = None if isinstance(routing_model, Counts) else (routing, seed)
-    _check_counts_cover(cfg, routing_model)
-    replacements = resolve_replacements(replace)
-    where = placement(schedule_name, par.pp, par.vpp, num_microbatches)
-    tokens = micro_batch_size * seq_length // split
-    results = []
-    units = []  # (pipeline stage, the EP ranks of one class): one trace each
-    for stage in range(par.pp):
-        classes = [list(range(par.ep))]
-        if routing != "balanced" and par.ep > 1:
-            classes = ep_rank_classes(cfg, par, stage, routing_model, tokens, where)
-            if len(classes) > max_ep_classes:
-                raise TracememError(
-                    f"--routing {routing} gives pipeline stage {stage} {len(classes)} distinct "
-                    f"EP-rank loads (EP ranks whose experts receive different token counts), "
-                    f"each traced once; the cap is --max-ep-classes {max_ep_classes}: raise it "
-                    f"to {len(classes)} (about {len(classes)} traces per stage)")
-        units += [(stage, ep_ranks, len(classes)) for ep_ranks in classes]
-    # the user's own layers (replace) and a counts file are not in the key: not shared
-    call_key = None if routing_model_key is None or replacements else (
-        repr(cfg), par.tp, par.sp, par.cp, par.ep, par.etp, par.plan,
-        par.precision_spec.gradient_accumulation_fusion,
-        # ZeRO-3's traced gathers: the unit shards (tracemem.zero3)
-        (par.zero, tuple(par.shards(r.quantity, r.kind) for r in SHARDING))
-        if par.zero == 3 else None,
-        micro_batch_size, seq_length, routing_model_key, attention, experts, recompute,
-        tuple(recompute_modules) if recompute == "selective" else (),
-        (recompute_method, recompute_num_layers) if recompute == "full" else None,
-        deallocate_pipeline_outputs, rounding, profile.name,
-        tuple(sorted(profile.options.items())), zero3_prefetch)
-    step_key = (par.zero, tuple(par.shards(r.quantity, r.kind) for r in SHARDING),
-                repr(par.precision_spec), optimizer)
-    # a counts file's routing is not in the key: such a call shares nothing with others
-    cache = trace_cache if trace_cache is not None and call_key is not None else TraceCache()
-    representative: dict[tuple, tuple] = {}  # in-call signature -> the first stage's layers
-    prepared = []
-    for stage, ep_ranks, num_classes in units:
-        ep_rank = None if len(ep_ranks) == par.ep else ep_ranks[0]
-        rank = stage * (par.world_size // par.pp) + (ep_rank or 0) * par.etp
-        assert coordinates(par, rank).ep_rank == (ep_rank or 0)
-        layers = [i for chunk in par.layers_of_stage(stage, where) for i in chunk]
-        held = where.chunks_of(stage)
-        kinds = frozenset(s.kind for s in steps_by_rank[stage]) & {"B", "I"}
-        signature = (0 in held, where.num_chunks - 1 in held, ep_rank,
-                     tuple(len(c) for c in par.layers_of_stage(stage, where)),
-                     tuple(cfg.is_moe_layer(i) for i in layers),
-                     None if routing == "balanced" else tuple(layers), kinds)
-        # stages of one signature share the first one's trace (its module paths included),
-        # in this call and, through the cache, in any call with the same call_key
-        chunks = representative.setdefault(signature, tuple(
-            tuple(c) for c in par.layers_of_stage(stage, where)))
-        if progress:
-            progress(f"tracing pipeline stage {stage + 1}/{par.pp}" + (
-                f", EP ranks {_ranks_text(ep_ranks)}" if num_classes > 1 else ""))
-
-        def trace(rank=rank, kinds=kinds):
-            return _trace_fb(
-                cfg, par, rank, b=micro_batch_size, s=seq_length, routing=routing_model,
-                attention=attention, experts=experts, recompute=recompute,
-                recompute_modules=frozenset(recompute_modules),
-                recompute_method=(recompute_method, recompute_num_layers),
-                deallocate=deallocate_pipeline_outputs, rounding=rounding,
-                zero3_prefetch=zero3_prefetch, kernels=profile, where=where, kinds=kinds,
-                replace=replacements)
-        static, segments = cache.get((call_key, signature, chunks), step_key, trace,
-                                     lambda model, tracer, fb: _trace_step(
-                                         model, tracer, par, optimizer, fb))
-        steps = steps_by_rank[stage]
-        # the optimizer step after the schedule's last step, on the traced "O" segment
-        first = next(s for s in steps if where.chunk_index(stage, s.stage) == 0)
-        steps = steps + [Step(first.stage, "O", 0)]
-        # ZeRO-3 gathers are traced events, not the static line item
-        replayed = replay_schedule(steps, par.pp, segments,
-                                   static.total_bytes - static.zero3_gather_bytes,
-                                   lambda v, stage=stage: where.chunk_index(stage, v))
-        prepared.append((stage, ep_ranks, ep_rank, rank, layers, static, segments, steps,
-                         replayed))
-    screened = screen and hbm_bytes is not None and any(
-        p[-1].peak_bytes + outside > hbm_bytes for p in prepared)
-    for stage, ep_ranks, ep_rank, rank, layers, static, segments, steps, replayed in prepared:
-        peak, at, inflight = replayed.peak_bytes, replayed.step_index, replayed.inflight
-        live, modules = replayed.by_category, replayed.by_module
-        # what a rank's row holds with or without the allocator simulation
-        common = dict(
-            pp_stage=stage, ep_rank=ep_rank, rank=rank, layers=layers,
-            inflight_microbatches=inflight,
-            peak_step=None if at is None else
-            "optimizer" if steps[at].kind == "O" else str(steps[at]),
-            peak_phase=None if at is None else _PHASES[steps[at].kind],
-            peak_bytes=peak, parameter_bytes=static.param_bytes,
-            gradient_bytes=static.grad_bytes + live.get("gradient", 0),
-            optimizer_state_bytes=static.optimizer_bytes,
-            buffer_bytes=static.buffer_bytes + live.get("buffer", 0),
-            activation_bytes=live.get("activation", 0),
-            comm_buffer_bytes=live.get("comm_buffer", 0),
-            temporary_bytes=live.get("temporary", 0), input_bytes=live.get("input", 0),
-            zero3_gather_bytes=live.get("parameter", 0), static=static,
-            ep_ranks=tuple(ep_ranks) if ep_rank is not None else ())
-        if screened:  # reserved >= allocated >= this peak: over --hbm without the allocator
-            results.append(RankEstimate(
-                **common, fits=False if peak + outside > hbm_bytes else None))
-            continue
-        label = f"stage{stage}" + ("" if ep_rank is None else f"_ep{ep_rank}")
-        timeline, allocator = replay_through_allocator(
-            replay_events(steps, par.pp, segments,
-                          lambda v, stage=stage: where.chunk_index(stage, v)), steps,
-            [("parameter", static.param_bytes), ("gradient", static.grad_bytes),
-             ("optimizer_state", static.optimizer_bytes), ("buffer", static.buffer_bytes)],
-            label.replace("stage", "stage ").replace("_ep", ", EP rank "), config=alloc_config,
-            capacity=capacity, device_total=hbm_bytes, record_history=snapshot is not None,
-            series=plot is not None)
-        if snapshot_dir is not None:
-            write_snapshot(allocator.sim, snapshot_dir / f"{label}.pickle")
-        mem = timeline.stats
-        results.append(RankEstimate(
-            **common, by_module=dict(sorted(modules.items(), key=lambda kv: -kv[1])[:10]),
-            largest=replayed.largest, allocated_peak_bytes=mem.allocated_peak,
-            reserved_peak_bytes=mem.reserved_peak, fragmentation_bytes=mem.fragmentation_bytes,
-            largest_free_block_bytes=mem.largest_free_block,
-            reserved_peak_step=step_at(timeline, mem.reserved_peak_event),
-            fits=None if hbm_bytes is None else (mem.reserved_peak + outside <= hbm_bytes
-                                                 and mem.num_ooms == 0),
-            memory=timeline))
-    settings = {"micro_batch_size": micro_batch_size, "seq_length": seq_length,
-                "num_microbatches": num_microbatches, "schedule": schedule_name,
-                "recompute": recompute,
-                "recompute_method": recompute_method if recompute == "full" else None,
-                "recompute_num_layers": recompute_num_layers if recompute == "full" else None,
-                "recompute_modules": list(recompute_modules) if recompute == "selective"
-                else [], "attention": attention, "experts": experts, "routing": routing,
-                "seed": seed, "rounding": rounding or 0, "kernels": profile.name,
-                "kernel_options": dict(profile.options),
-                "deallocate_pipeline_outputs": deallocate_pipeline_outputs,
-                "zero3_prefetch": zero3_prefetch, "alloc_conf": alloc_config.text,
-                "non_pytorch_memory_bytes": outside, "optimizer": optimizer,
-                "replace": {kind: getattr(f, "__qualname__", repr(f))
-                            for kind, f in replacements.items()}}
+    _check_counts_cover(job.config, job.routing_model)
+    traced = trace_classes(job, rank_classes(job), trace_cache or TraceCache(), progress)
+    for one in traced:
+        replay_class(job, one)
+    hbm = job.hbm_bytes
+    screened = screen and hbm is not None and any(
+        t.replayed.peak_bytes + job.non_pytorch_memory_bytes > hbm for t in traced)
+    ranks = [screened_row(job, t) if screened else
+             allocator_row(job, t, snapshot_dir, plot is not None) for t in traced]
     if plot is not None:
-        plot_timelines([r.memory for r in results], plot, hbm_bytes=hbm_bytes,
-                       usable_bytes=capacity,
-                       title=f"{cfg.name}: memory over one step per rank class "
-                             f"({alloc_config.text or 'default allocator settings'})")
-    return Estimate(cfg.name, par, settings, results, hbm_bytes, screened)
+        plot_timelines([r.memory for r in ranks], plot, hbm_bytes=hbm,
+                       usable_bytes=None if hbm is None else hbm - job.non_pytorch_memory_bytes,
+                       title=f"{job.config.name}: memory over one step per rank class "
+                             f"({job.alloc_config.text or 'default allocator settings'})")
+    return Estimate(job, ranks, screened)
 
 
 def _output_dir(path: str, flag: str = "--snapshot") -> Path:

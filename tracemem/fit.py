@@ -124,11 +124,11 @@ class Layout:
     zero: int
     schedule: str
 
-    def estimate_kwargs(self) -> dict[str, Any]:
-        """``tracemem.estimate`` keywords of this layout."""
-        out = {k: v for k, v in asdict(self).items() if k != "schedule"}
-        out["schedule_name"] = self.schedule
-        return out
+    def job_fields(self) -> dict[str, Any]:
+        """The ``Job`` fields this layout sets (a given job's own layer layout gives way)."""
+        return asdict(self) | {"pp_layout": None,
+                               "account_for_embedding_in_pipeline_split": False,
+                               "account_for_loss_in_pipeline_split": False}
 
     def family(self) -> tuple:
         """What its traces depend on among the layout's fields: layouts of one family share
@@ -265,7 +265,7 @@ def _jobs(par, first, last, seq_length, global_batch_size, space, reject, check_
             for name in space.schedule:
                 try:
                     check_job(par, micro_batch_size=b, seq_length=seq_length,
-                              num_microbatches=m, schedule_name=name, recompute=recompute)
+                              num_microbatches=m, schedule=name, recompute=recompute)
                 except TracememError as error:
                     reject(_reason(error))
                     continue
@@ -347,6 +347,7 @@ class FitResult:
     workers: int
     engine: str
     settings: dict = field(default_factory=dict)
+    job: Any = None  # the base Job every layout replaces fields of
 
     @property
     def fitting(self) -> list[FitRow]:
@@ -396,33 +397,27 @@ def _worker_cache(cache_dir: str | None, run_id: str):
     return _WORKER_CACHE["cache"]
 
 
-def _run_group(job: dict[str, Any], layouts: list[Layout], screen: bool = True
-               ) -> tuple[list[FitRow], dict[str, int]]:
-    """Estimate ``layouts`` (one trace family) in this process: the rows, and this call's
-    trace counts. ``job``: ``fit``'s fixed ``estimate`` keywords, ``cache_dir`` and ``run``."""
-    from modeling import load_config
+def _run_group(job, layouts: list[Layout], cache_dir: str | None, run_id: str,
+               screen: bool = True) -> tuple[list[FitRow], dict[str, int]]:
+    """Estimate ``layouts`` (one trace family) in this process, each as ``dataclasses.replace``
+    of the base ``job`` (``fit``'s): the rows, and this call's trace counts."""
     from tracemem.estimator import estimate
     from tracemem.formulas.cost import recompute_overhead, step_cost
-    from tracemem.parallel import ParallelConfig
 
-    job = dict(job)
-    cache = _worker_cache(job.pop("cache_dir"), job.pop("run"))
-    model = job.pop("model")
-    cfg = load_config(model) if isinstance(model, str) else model
+    cache = _worker_cache(cache_dir, run_id)
     before = cache.counts()
     rows = []
     for layout in layouts:
         start = cache.counts()
-        kwargs = layout.estimate_kwargs()
-        result = estimate(cfg, trace_cache=cache, screen=screen, **job, **kwargs)
-        outside = result.settings["non_pytorch_memory_bytes"]
+        one = replace(job, **layout.job_fields())
+        result = estimate(one, trace_cache=cache, screen=screen)
+        outside = one.non_pytorch_memory_bytes
         needed = [(r.peak_bytes if result.screened else r.reserved_peak_bytes) + outside
                   for r in result.ranks]
         worst = max(range(len(needed)), key=needed.__getitem__)
-        par = ParallelConfig.create(cfg, world_size=job["world_size"], **{
-            k: v for k, v in kwargs.items() if k in _LAYOUT_KEYS})
-        bubble, comm, tp_b, ep_b, cp_b = layout_cost(cfg, par, layout, job["seq_length"])
-        overhead = recompute_overhead(layout.recompute, job["seq_length"], cfg.hidden_size)
+        bubble, comm, tp_b, ep_b, cp_b = layout_cost(one.config, one.parallel, layout,
+                                                     one.seq_length)
+        overhead = recompute_overhead(layout.recompute, one.seq_length, one.config.hidden_size)
         end = cache.counts()
         rows.append(FitRow(
             layout, layout.flags(),
@@ -437,24 +432,6 @@ def _run_group(job: dict[str, Any], layouts: list[Layout], screen: bool = True
             traces_reused=(end["reused"] + end["loaded"]) - (start["reused"] + start["loaded"])))
     after = cache.counts()
     return rows, {k: after[k] - before[k] for k in after}
-
-
-class _Validated(Exception):
-    """Raised by ``_CheckOnly``: ``estimate`` got past its validation to the first trace."""
-
-
-class _CheckOnly:
-    """A ``TraceCache`` stand-in that stops ``estimate`` at its first trace: the fixed
-    keywords validated in this process, on one line, before any worker starts."""
-
-    def get(self, *args, **kwargs):
-        raise _Validated
-
-
-_CHECK_ONLY = _CheckOnly()
-
-_LAYOUT_KEYS = ("tp", "sp", "cp", "ep", "etp", "pp", "vpp", "zero", "pp_first_stage_layers",
-                "pp_last_stage_layers")
 
 
 def _groups(layouts: Iterable[Layout]) -> list[list[Layout]]:
@@ -501,8 +478,9 @@ class _Engine:
                 max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
 
     def run(self, job, groups, screen: bool, report) -> None:
+        """``job``: ``(base Job, cache_dir, run id)``."""
         if self.ray is not None:
-            pending = [self.task.remote(job, group, screen) for group in groups]
+            pending = [self.task.remote(*job[:1], group, *job[1:], screen) for group in groups]
             while pending:
                 done, pending = self.ray.wait(pending, num_returns=1)
                 for ref in done:
@@ -510,12 +488,13 @@ class _Engine:
         elif self.pool is not None:
             import concurrent.futures as cf
 
-            futures = [self.pool.submit(_run_group, job, group, screen) for group in groups]
+            futures = [self.pool.submit(_run_group, job[0], group, *job[1:], screen)
+                       for group in groups]
             for future in cf.as_completed(futures):
                 report(*future.result())
         else:
             for group in groups:
-                report(*_run_group(job, group, screen))
+                report(*_run_group(job[0], group, *job[1:], screen))
 
     def close(self) -> None:
         if self.pool is not None:
@@ -524,18 +503,21 @@ class _Engine:
             self.ray.shutdown()
 
 
-def fit(model, *, world_size: int, hbm: str, seq_length: int, global_batch_size: int,
-        space: SearchSpace | None = None, workers: int | None = None, engine: str = "local",
-        address: str | None = None, cache_dir: str | None = None,
+def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
+        engine: str = "local", address: str | None = None, cache_dir: str | None = None,
         closest: int = DEFAULT_CLOSEST, progress: Callable[[dict], None] | None = None,
-        **estimate_kwargs) -> FitResult:
-    """Estimate every valid layout of ``model`` on ``world_size`` GPUs (``enumerate_layouts``
-    over ``space``) and say which fit in ``hbm``.
+        **job_fields) -> FitResult:
+    """Estimate every valid layout of a job on its GPUs (``enumerate_layouts`` over ``space``)
+    and say which fit in its ``hbm``.
 
     Args:
-        model: a preset name, a config.json path or a ``ModelConfig``.
-        world_size, hbm, seq_length, global_batch_size: N GPUs of ``hbm`` (e.g. "80GiB"),
-            s tokens per sequence, G sequences per step.
+        model: a ``tracemem.job.Job`` (its world size, ``hbm``, sequence length and global
+            batch, and every setting the search does not vary; the search's dimensions
+            replace its own: TP, SP, CP, EP, ETP, PP and its layer layout, VPP, b, M,
+            recompute, ZeRO, schedule), or a preset name, config.json path or ``ModelConfig``
+            with ``job_fields`` world_size, hbm (e.g. "80GiB"), seq_length and
+            global_batch_size, and any other ``Job`` field fixed for every layout (kernels,
+            kernel_options, attention, precision, non_pytorch_memory, ...).
         space: the ``SearchSpace`` (default ``SearchSpace()``).
         workers: worker processes (default: every core, ``os.cpu_count()``); 1 runs in this
             process. Ignored by the ray engine.
@@ -546,24 +528,45 @@ def fit(model, *, world_size: int, hbm: str, seq_length: int, global_batch_size:
             their lower bound), to say by how much each is over.
         progress: called with ``{"done", "total", "computed", "reused", "eta_s"}`` after each
             group of layouts.
-        estimate_kwargs: other ``tracemem.estimate`` keywords, the same for every layout
-            (kernels, kernel_options, attention, precision, non_pytorch_memory, ...).
+
+    Each layout is ``dataclasses.replace(base, **layout.job_fields())`` of one base ``Job``,
+    validated here, once, before any worker starts.
 
     Raises:
         TracememError: invalid input (the flag, the value and a fix), no valid layout in the
             space, or an unknown engine.
     """
     from modeling import ModelConfig, load_config
-    from tracemem.estimator import parse_bytes
+    from tracemem.job import Job, check_fields, job_fields as names, parse_bytes
 
     start = time.perf_counter()
-    cfg = model if isinstance(model, ModelConfig) else load_config(model)
+    if isinstance(model, Job):
+        if job_fields:
+            raise TracememError(f"fit(job, {next(iter(job_fields))}=...): change the Job "
+                                f"with dataclasses.replace(job, ...)")
+        fixed = {name: getattr(model, name) for name in names()}
+        fixed["global_batch_size"] = model.global_batch
+        cfg = model.model
+    else:
+        check_fields(job_fields)
+        for key in ("world_size", "hbm", "seq_length", "global_batch_size"):
+            if job_fields.get(key) is None:
+                raise TracememError(f"fit needs --{key.replace('_', '-')}")
+        cfg = model if isinstance(model, ModelConfig) else load_config(model)
+        fixed = dict(job_fields, model=cfg)
+    if fixed.get("hbm") is None:
+        raise TracememError("fit needs --hbm (e.g. --hbm 80GiB): the memory to fit in")
+    parse_bytes(fixed["hbm"])  # a bad size before any layout is enumerated
+    swept = sorted(set(job_fields) & (set(Layout.__dataclass_fields__) | {"pp_layout"}))
+    if swept:
+        raise TracememError(f"fit: {swept[0]!r} is a search-space dimension; give it in space")
+    world_size, seq_length = fixed["world_size"], fixed["seq_length"]
+    global_batch_size = fixed["global_batch_size"]
     space = space or SearchSpace()
     if not cfg.is_moe and space.ep == SearchSpace.ep and space.etp == SearchSpace.etp:
         # a dense model has no experts to spread: the MoE defaults of EP would reject every
         # layout (estimate: "use --ep 1 --etp 1"), so its default is EP 1
         space = replace(space, ep=(1,), etp=(1,))
-    hbm_bytes = parse_bytes(hbm)
     if engine not in ENGINES:
         raise TracememError(f"--engine {engine!r} is invalid; choose one of "
                             f"{', '.join(ENGINES)}")
@@ -575,13 +578,6 @@ def fit(model, *, world_size: int, hbm: str, seq_length: int, global_batch_size:
         raise TracememError(f"--closest {closest!r} must be 0 or a positive integer")
     if engine == "local" and address is not None:
         raise TracememError("--address applies to --engine ray; drop it or add --engine ray")
-    unknown = sorted(set(estimate_kwargs) & {"tp", "sp", "cp", "ep", "etp", "pp", "vpp",
-                                             "zero", "micro_batch_size", "num_microbatches",
-                                             "recompute", "schedule_name", "trace_cache",
-                                             "screen", "snapshot", "plot", "pp_layout"})
-    if unknown:
-        raise TracememError(f"fit: {unknown[0]!r} is a search-space dimension or not for a "
-                            f"sweep; give it in space")
     layouts, rejected = enumerate_layouts(cfg, world_size, seq_length, global_batch_size,
                                           space)
     if not layouts:
@@ -589,18 +585,13 @@ def fit(model, *, world_size: int, hbm: str, seq_length: int, global_batch_size:
                             sorted(rejected.items(), key=lambda kv: -kv[1])[:3])
         raise TracememError(f"no valid layout of {cfg.name} on {world_size} GPUs in the search "
                             f"space ({reasons}); widen the space flags")
-    job = dict(model=model if isinstance(model, str) else cfg, world_size=world_size,
-               seq_length=seq_length, hbm=hbm, cache_dir=cache_dir,
-               run=f"{os.getpid()}-{time.time_ns()}", **estimate_kwargs)
-    # the fixed keywords checked once, here, before any worker starts (one-line errors)
-    from tracemem.estimator import TraceCache, estimate
-
-    try:
-        estimate(cfg, **{k: v for k, v in job.items() if k not in ("cache_dir", "run", "model")},
-                 **layouts[0].estimate_kwargs(), trace_cache=_CHECK_ONLY, screen=True)
-    except _Validated:
-        pass
+    fixed.pop("num_microbatches", None)  # each layout's M follows from the global batch
+    # the fixed fields validated once, here, before any worker starts (one-line errors)
+    base = Job(**(fixed | layouts[0].job_fields()))
+    job = (base, cache_dir, f"{os.getpid()}-{time.time_ns()}")
     if cache_dir is not None:
+        from tracemem.estimator import TraceCache
+
         TraceCache(cache_dir)  # the directory made, or a one-line error
     counts = {"computed": 0, "reused": 0, "loaded": 0}
     rows: list[FitRow] = []
@@ -645,9 +636,9 @@ def fit(model, *, world_size: int, hbm: str, seq_length: int, global_batch_size:
     fitting = sorted((r for r in screened_rows if r.fits),
                      key=lambda r: rank_key(r.cost, r.comm_bytes))
     rest = [r for r in screened_rows if not r.fits]
-    return FitResult(cfg.name, world_size, hbm_bytes, seq_length, global_batch_size,
+    return FitResult(cfg.name, world_size, base.hbm_bytes, seq_length, global_batch_size,
                      fitting + rest, exact, rejected, counts, time.perf_counter() - start,
-                     1 if engine == "ray" else runner.workers, engine, dict(estimate_kwargs))
+                     1 if engine == "ray" else runner.workers, engine, base.settings(), base)
 
 
 _DIMENSIONS = {"tp": int, "sp": "onoff", "cp": int, "ep": int, "etp": int, "pp": int,

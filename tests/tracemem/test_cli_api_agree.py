@@ -1,9 +1,10 @@
-"""The CLI passes values to the Python API, which alone validates them (issue 9 item 5).
+"""The CLI passes values to the Python API, which alone validates them (issue 9 item 5): the
+flags become a ``Job``, and the ``Job`` validates (issue 20).
 
 Reference: the house rule "the CLI passes values to the Python API, which alone validates
 them"; issue 9 item 5's case (``estimate(..., rounding=0)`` raised while ``--rounding 0``
 worked). For every valued flag of ``tracemem estimate``, edge values are driven through the CLI
-with the API replaced by a recorder: every value argparse can parse reaches the API keyword
+with the ``Job`` replaced by a recorder: every value argparse can parse reaches the Job field
 unchanged (so the CLI accepts exactly what the API accepts); then the real API and the real CLI
 agree on the edge cases themselves.
 """
@@ -12,7 +13,7 @@ import re
 
 import pytest
 
-import tracemem.estimator
+import tracemem.job
 from tracemem.cli import main
 from tracemem.errors import TracememError
 from tracemem.estimator import estimate
@@ -21,7 +22,7 @@ BASE = {"--model": "deepseek-tiny", "--world-size": "1", "--micro-batch-size": "
         "--seq-length": "16", "--num-microbatches": "1"}
 EDGES = ["-1", "0", "1", "3", "7", str(2**40)]
 
-# flag -> the estimate keyword it sets (integer-valued flags)
+# flag -> the Job field it sets (integer-valued flags)
 INT_FLAGS = {"--micro-batch-size": "micro_batch_size", "--seq-length": "seq_length",
              "--num-microbatches": "num_microbatches", "--world-size": "world_size",
              "--tp": "tp", "--cp": "cp", "--ep": "ep", "--etp": "etp", "--pp": "pp",
@@ -41,11 +42,11 @@ class Reached(Exception):
 def recorder(monkeypatch):
     seen = {}
 
-    def fake(model, **kwargs):
-        seen.update(kwargs, model=model)
+    def fake(**kwargs):
+        seen.update(kwargs)
         raise Reached
 
-    monkeypatch.setattr(tracemem.estimator, "estimate", fake)
+    monkeypatch.setattr(tracemem.job, "Job", fake)
     return seen
 
 

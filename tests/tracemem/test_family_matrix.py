@@ -47,7 +47,7 @@ def test_every_family_runs_under_every_kernel_profile_with_tp_sp_cp_pp_dp(preset
 ])
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_every_family_runs_under_every_schedule(preset, schedule, layout):
-    result = estimate(preset, world_size=2, schedule_name=schedule, kernels="eager", **layout,
+    result = estimate(preset, world_size=2, schedule=schedule, kernels="eager", **layout,
                       **STEP)
     _sane(result, 2)
 

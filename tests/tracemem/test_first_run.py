@@ -158,7 +158,7 @@ def test_what_fits_re_estimates_each_change(tiny):
     hbm = _between(tiny)
     kwargs = dict(TINY, hbm=f"{hbm}B")
     base = estimate("deepseek-tiny", **kwargs)
-    candidates = what_fits("deepseek-tiny", base, **kwargs)
+    candidates = what_fits(base)
     by_change = {c.change: c for c in candidates}
     assert set(by_change) == {
         "--recompute selective", "--recompute full",
@@ -191,7 +191,7 @@ def test_what_fits_re_estimates_each_change(tiny):
 
 def test_what_fits_needs_hbm(capsys, tiny):
     with pytest.raises(ValueError, match=r"what_fits needs hbm \(e.g. --hbm 80GiB\)"):
-        what_fits("deepseek-tiny", tiny, **TINY)
+        what_fits(tiny)
     assert main(["estimate", "--model", "deepseek-tiny", "--world-size", "4",
                  "--micro-batch-size", "1", "--seq-length", "16", "--num-microbatches", "1",
                  "--what-fits", "--quiet"]) == 2

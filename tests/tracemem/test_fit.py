@@ -94,7 +94,7 @@ def test_shared_trace_cache_gives_identical_estimates(tmp_path):
     byte for byte in every figure, as a fresh ``estimate`` call."""
     layouts = [dict(world_size=4, pp=2, ep=2, num_microbatches=4, zero=1),
                dict(world_size=4, pp=2, ep=2, num_microbatches=2, zero=2,
-                    schedule_name="gpipe"),
+                    schedule="gpipe"),
                dict(world_size=8, pp=2, ep=2, num_microbatches=4, zero=1)]
     fresh = [format_estimate_json(estimate("deepseek-tiny", **JOB, **k), None)
              for k in layouts]
@@ -137,7 +137,7 @@ def test_fit_rows_agree_with_estimate():
     for row in result.rows:
         direct = estimate("deepseek-tiny", world_size=4, hbm="1GiB", seq_length=64,
                           kernels="eager", non_pytorch_memory="1020MiB",
-                          **row.layout.estimate_kwargs())
+                          **row.layout.job_fields())
         needs = max(r.reserved_peak_bytes for r in direct.ranks) + 1020 * 2**20
         fits = all(r.fits for r in direct.ranks)
         assert row.fits == fits

@@ -59,7 +59,7 @@ def test_ep_holds_half_the_routed_experts(preset):
 ])
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_every_moe_family_runs_under_every_schedule(preset, schedule, layout):
-    result = estimate(preset, world_size=2, schedule_name=schedule, kernels="eager", **layout,
+    result = estimate(preset, world_size=2, schedule=schedule, kernels="eager", **layout,
                       **STEP)
     _sane(result, 2)
 

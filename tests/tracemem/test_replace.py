@@ -117,8 +117,8 @@ def test_static_memory_counts_the_users_parameters_by_their_declared_groups():
 
 
 @pytest.mark.parametrize("recompute, more", [
-    ("none", {}), ("selective", dict(schedule_name="gpipe", zero=2)),
-    ("full", dict(schedule_name="interleaved-1f1b", vpp=2)), ("none", dict(zero=3))])
+    ("none", {}), ("selective", dict(schedule="gpipe", zero=2)),
+    ("full", dict(schedule="interleaved-1f1b", vpp=2)), ("none", dict(zero=3))])
 def test_estimate_runs_with_a_users_attention_and_mlp(recompute, more):
     base = estimate("deepseek-tiny", recompute=recompute, **TINY, **more)
     mine = estimate("deepseek-tiny", recompute=recompute,

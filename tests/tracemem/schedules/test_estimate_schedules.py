@@ -15,8 +15,8 @@ TINY = dict(world_size=4, tp=2, sp=True, micro_batch_size=2, seq_length=64,
 
 
 def test_dualpipe_every_rank_holds_two_stages_and_pp_plus_one_microbatches():
-    one = estimate("deepseek-tiny", pp=2, schedule_name="1f1b", **TINY)
-    dual = estimate("deepseek-tiny", pp=2, schedule_name="dualpipe", **TINY)
+    one = estimate("deepseek-tiny", pp=2, schedule="1f1b", **TINY)
+    dual = estimate("deepseek-tiny", pp=2, schedule="dualpipe", **TINY)
     # pp 2: rank 0 and rank 1 both hold chunks 0 and 1 (layers 0-3): the whole model
     assert [r.layers for r in dual.ranks] == [[0, 1, 2, 3], [0, 1, 2, 3]]
     assert [r.inflight_microbatches for r in dual.ranks] == [3, 3]  # pp + 1
@@ -32,20 +32,20 @@ def test_dualpipe_every_rank_holds_two_stages_and_pp_plus_one_microbatches():
 def test_v_schedules_put_the_first_and_last_chunk_on_rank_0():
     for name, inflight in (("zbv", [4, 4]), ("dualpipev", [5, 5])):
         result = estimate("deepseek-tiny", pp=2, vpp=2, pp_layout=(1, 1, 1, 1),
-                          schedule_name=name, **TINY)
+                          schedule=name, **TINY)
         assert [r.layers for r in result.ranks] == [[0, 3], [1, 2]], name
         assert [r.inflight_microbatches for r in result.ranks] == inflight, name
 
 
 def test_zb_h1_peaks_at_an_input_gradient_step():
-    result = estimate("deepseek-tiny", pp=2, schedule_name="zb-h1", **TINY)
+    result = estimate("deepseek-tiny", pp=2, schedule="zb-h1", **TINY)
     assert [r.inflight_microbatches for r in result.ranks] == [2, 1]
     assert all(r.peak_step[1] in "FIW" for r in result.ranks)
 
 
 def test_w_steps_with_recompute_are_rejected():
     with pytest.raises(TracememError, match="--schedule zbv defers weight gradients"):
-        estimate("deepseek-tiny", pp=2, vpp=2, pp_layout=(1, 1, 1, 1), schedule_name="zbv",
+        estimate("deepseek-tiny", pp=2, vpp=2, pp_layout=(1, 1, 1, 1), schedule="zbv",
                  recompute="full", **TINY)
 
 
