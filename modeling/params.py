@@ -20,10 +20,11 @@ COMPONENTS = ("embedding", "attention", "norms", "dense_mlp", "router", "routed_
 
 def count_by_component(model: Transformer, buffers: bool = True) -> dict[str, int]:
     """Element counts per component (``COMPONENTS``; MTP modules counted apart from the main
-    model; the main model's RMSNorms, MLA's q_norm and kv_norm included, under "norms"). Shared
-    tensors (a tied head, the MTP's use of the embedding) count once. Each tensor counts under
-    the component it declares (``modeling.parallel.groups``); one outside ``COMPONENTS`` (a
-    user's layer may declare one) is added after them.
+    model; the main model's norms, MLA's q_norm and kv_norm included, under "norms"; the word
+    and learned position embeddings under "embedding"). Shared tensors (a tied head, the MTP's
+    use of the embedding) count once. Each tensor counts under the component it declares
+    (``modeling.parallel.groups``); one outside ``COMPONENTS`` (a user's layer may declare one)
+    is added after them.
 
     Raises:
         TracememError: a parameter that declares no group (``modeling.parallel.groups``).
@@ -41,7 +42,8 @@ def count_total(model: Transformer, include_mtp: bool = True) -> int:
 
 
 def count_activated(model: Transformer, cfg: ModelConfig, include_mtp: bool = False) -> int:
-    """Parameters a token computes with: the total less the input embedding table (a lookup)
+    """Parameters a token computes with: the total less the input embedding tables (lookups:
+    the word embedding unless it is tied to the head, the learned position embedding always)
     and, in every MoE layer, the routed experts it does not go to ((N_r - k) experts of
     3 * h * moe_intermediate_size each); the output head is included. This convention gives
     DeepSeek's published "activated" figures: V3 36.6B ("37B"), V2 20.9B ("21B"), V2-Lite
@@ -52,5 +54,7 @@ def count_activated(model: Transformer, cfg: ModelConfig, include_mtp: bool = Fa
                  if group.ep and (include_mtp or group.component != "mtp_layer"))
     experts = cfg.num_routed_experts
     unused = routed * (experts - cfg.num_experts_per_tok) // experts if experts else 0
-    embedding = 0 if cfg.tie_word_embeddings else count_by_component(model)["embedding"]
+    embedding = count_by_component(model)["embedding"]  # word (and position) tables held
+    if cfg.tie_word_embeddings and model.embed is not None:
+        embedding -= model.embed.weight.numel()  # also the head: computed with
     return count_total(model, include_mtp) - unused - embedding

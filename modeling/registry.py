@@ -1,4 +1,5 @@
-"""The model families tracemem knows, by Hugging Face ``model_type``, and ``load_config``.
+"""The model families tracemem knows, by Hugging Face ``model_type`` (and "gpt", Megatron-LM's
+GPTModel, whose config files are tracemem's own field names), and ``load_config``.
 
 One line per ``model_type``: the family module that reads it (``modeling/families/<name>/
 config.py``: its key table ``HF_KEYS``, the keys it checks ``CHECKED`` or tolerates
@@ -16,6 +17,7 @@ from typing import Any
 
 from modeling.common.config import ModelConfig, parse_json, require_object, show
 from modeling.families.deepseek import config as deepseek
+from modeling.families.gpt import config as gpt
 from modeling.families.llama import config as llama
 from modeling.families.mixtral import config as mixtral
 from modeling.families.qwen import config as qwen
@@ -25,7 +27,7 @@ from tracemem.errors import TracememError
 
 __all__ = ["FAMILIES", "PRESETS", "load_config", "config_from_dict", "family_of"]
 
-# Hugging Face model_type -> the family module that reads it.
+# Hugging Face model_type (or "gpt": Megatron's GPTModel) -> the family module that reads it.
 FAMILIES = {
     "deepseek_v2": deepseek,
     "deepseek_v3": deepseek,
@@ -35,6 +37,7 @@ FAMILIES = {
     "qwen3_moe": qwen3_moe,
     "qwen2_moe": qwen2_moe,
     "mixtral": mixtral,
+    "gpt": gpt,
 }
 
 PRESETS = tuple(p for family in dict.fromkeys(FAMILIES.values()) for p in family.PRESETS)

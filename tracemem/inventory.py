@@ -40,6 +40,9 @@ _MC = "Megatron-LM d98e8a6 megatron/core/"
 KERNEL_SOURCES = {
     "_RMSNormBackward": _TE + "ops/basic/rmsnorm.py RMSNorm.op_forward (megatron-te); "
                             "torch 2.13 aten _fused_rms_norm (torch)",
+    "_LayerNormBackward": _TE + "ops/basic/layer_norm.py LayerNorm.op_forward (layernorm_fwd)",
+    "_BiasGeLUBackward": _MC + "fusions/fused_bias_gelu.py GeLUFunction",
+    "_SquaredReLUBackward": _MC + "activations.py squared_relu (jit_fuser: torch.compile)",
     "_TELinearBackward": _TE + "module/linear.py _Linear / module/layernorm_linear.py "
                                "_LayerNormLinear",
     "_TEFusedAttentionBackward": _TE + "attention/dot_product_attention/backends.py "
@@ -53,6 +56,14 @@ KERNEL_SOURCES = {
     "_UnpermuteBackward": _TE + "permutation.py moe_unpermute_mask_map_forward",
     "_GroupedLinearBackward": _TE + "module/grouped_linear.py _GroupedLinear",
     "_TECrossEntropyBackward": _TE + "cross_entropy.py CrossEntropyFunction",
+    "_VocabParallelCrossEntropyBackward": _MC + "tensor_parallel/cross_entropy.py "
+                                                "_VocabParallelCrossEntropy",
+    "_FusedVocabParallelCrossEntropyBackward": _MC + "fusions/fused_cross_entropy.py "
+                                                     "_VocabParallelCrossEntropy (torch.compile)",
+    "_ScaledUpperTriangMaskedSoftmaxBackward": _MC + "fusions/fused_softmax.py "
+                                                     "ScaledUpperTriangMaskedSoftmax (Apex kernel)",
+    "_TEScaledMaskedSoftmaxBackward": _TE + "attention/dot_product_attention/softmax.py "
+                                            "scaled_masked_softmax_forward",
 }
 
 
@@ -138,7 +149,7 @@ def _part_of(module: str) -> str:
         return f"layer {parts[1]}"
     if parts[0] == "mtp":
         return f"mtp {parts[1]}"
-    if parts[0] == "embed":
+    if parts[0] in ("embed", "position_embed"):  # word and learned position embeddings
         return "embedding"
     return "loss"  # final norm, head, loss (and top-level glue)
 

@@ -14,7 +14,7 @@ from modeling.common.attention.gqa import GQA
 from modeling.common.attention.mla import MLA
 from modeling.common.mlp import MLP
 from modeling.common.moe import MoE
-from modeling.common.norm import RMSNorm
+from modeling.common.norm import make_norm
 from modeling.parallel.plans import LocalSizes
 from modeling.common.routing import RoutingModel
 from tracemem.errors import TracememError
@@ -48,11 +48,12 @@ class Block(nn.Module):
         sizes = sizes or LocalSizes.full(cfg)
         self.kernels = kernels = kernels or get_profile("eager")
         self.layer_id = layer_id
+        self.hidden_dropout = cfg.hidden_dropout  # after attention and after the FFN
         self.recompute, self.recompute_modules = "none", frozenset()
         replace = replace or {}
         ctx = LayerContext(cfg, layer_id, sizes, kernels, attention, cfg.is_moe_layer(layer_id),
                            rank)
-        self.attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, kernels=kernels)
+        self.attn_norm = make_norm(cfg, cfg.hidden_size, kernels)
         if "attn" in replace:
             self.attn = build_replacement(replace["attn"], "attn", ctx)
         elif cfg.is_mla:
@@ -61,7 +62,7 @@ class Block(nn.Module):
         else:
             self.attn = GQA(cfg, attention, sizes.num_heads, sizes.num_kv_heads, sizes.sp,
                             sizes.cp, kernels)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, kernels=kernels)
+        self.ffn_norm = make_norm(cfg, cfg.hidden_size, kernels)
         if cfg.is_moe_layer(layer_id):
             self.ffn = MoE(cfg, experts, sizes.expert_ids, layer_id, sizes.expert_inter,
                            sizes.shared_inter, sizes.ep, sizes.etp,
@@ -111,23 +112,41 @@ class Block(nn.Module):
         return self._forward(x, routing)
 
     def _forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
+        # each branch output stays alive through its dropout and residual add (Megatron's
+        # attention_output_with_bias / mlp_output_with_bias, held until the bias-dropout-add
+        # returns), then goes
         if self.kernels.orchestration == "megatron" and isinstance(self.attn, GQA):
-            x = x + self.attn(x, self.attn_norm)  # norm fused into linear_qkv
+            out = self.attn(x, self.attn_norm)  # norm fused into linear_qkv
         else:
-            x = x + self.attn(self._norm(self.attn_norm, x))
+            out = self.attn(self._norm(self.attn_norm, x))
+        x = x + self._dropout(out)
+        del out
         if self.kernels.orchestration == "megatron" and isinstance(self.ffn, MLP):
             run = lambda x: self.ffn(x, self.ffn_norm)  # noqa: E731  (norm fused into fc1)
             if "mlp" in self.recompute_modules:
-                return x + checkpoint(run, x, use_reentrant=False)
-            return x + run(x)
+                out = checkpoint(run, x, use_reentrant=False)
+            else:
+                out = run(x)
+            return x + self._dropout(out)
         h = self._norm(self.ffn_norm, x)
         if isinstance(self.ffn, MoE):
             run = lambda h: self.ffn(h, routing)  # noqa: E731
         else:
             run = self.ffn
         if ("moe" if isinstance(self.ffn, MoE) else "mlp") in self.recompute_modules:
-            return x + checkpoint(run, h, use_reentrant=False)
-        return x + run(h)
+            out = checkpoint(run, h, use_reentrant=False)
+        else:
+            out = run(h)
+        return x + self._dropout(out)
+
+    def _dropout(self, out: Tensor) -> Tensor:
+        """Hidden dropout (``cfg.hidden_dropout``) of an attention or FFN output ``(b, s_local,
+        h)`` before its residual add: Megatron-Core's bias-dropout-add (megatron/core/fusions/
+        fused_bias_dropout.py ``_bias_dropout_add_func`` via ``get_bias_dropout_add``, called by
+        ``TransformerLayer._apply_self_attn_bda_step`` / ``_apply_mlp_bda_step``): ``residual +
+        dropout(x)``. The profile's dropout (``modeling.kernels.dropout``); ``out`` itself when
+        the probability is 0 or outside training."""
+        return self.kernels.dropout(out, self.hidden_dropout, self.training)
 
     def _norm(self, norm: nn.Module, x: Tensor) -> Tensor:
         if "layernorm" in self.recompute_modules:

@@ -62,7 +62,8 @@ class ModelConfig:
     num_key_value_heads: int  # key/value heads (query groups); MLA: = num_attention_heads
     attention: str  # "mla" or "gqa" (ATTENTION_KINDS)
     rms_norm_eps: float  # RMSNorm (or LayerNorm) epsilon
-    max_position_embeddings: int  # longest sequence RoPE is set up for, in tokens
+    max_position_embeddings: int  # longest sequence RoPE is set up for, in tokens; the rows
+    #                               of the learned_absolute position table
     tie_word_embeddings: bool  # head shares the embedding matrix
     dtype: str  # parameter dtype of the checkpoint ("bfloat16", ...)
     normalization: str = "rmsnorm"  # every norm: "rmsnorm" (weight) or "layernorm" (weight and
@@ -128,11 +129,23 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Channels per head RoPE rotates: MLA qk_rope_head_dim; GQA head_dim *
-        partial_rotary_factor (transformers' ``_compute_default_rope_parameters``: int())."""
+        """Channels per head RoPE rotates: MLA qk_rope_head_dim (MLA's decoupled RoPE key is
+        part of its layout whatever ``position_embedding`` says: Megatron-Core's
+        ``MLASelfAttention`` makes its own rotary embedding); GQA head_dim *
+        partial_rotary_factor (transformers' ``_compute_default_rope_parameters``: int()), or
+        0 when ``position_embedding`` is not "rope" (no RoPE anywhere)."""
         if self.is_mla:
             return self.qk_rope_head_dim
+        if not self.has_rope:
+            return 0
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def has_rope(self) -> bool:
+        """Whether grouped-query attention rotates queries and keys (``position_embedding``
+        "rope"); Megatron's GPTModel makes no rotary embedding otherwise
+        (megatron/core/models/gpt/gpt_model.py ``GPTModel.__init__``)."""
+        return self.position_embedding == "rope"
 
     @property
     def is_moe(self) -> bool:
@@ -195,6 +208,7 @@ class ModelConfig:
             _check(self.num_attention_heads % self.num_key_value_heads == 0,
                    "num_key_value_heads", self.num_key_value_heads,
                    f"a divisor of num_attention_heads ({self.num_attention_heads})", src)
+        if not self.is_mla and self.has_rope:  # without RoPE no channel rotates
             _check(0 < self.partial_rotary_factor <= 1, "partial_rotary_factor",
                    self.partial_rotary_factor, "in (0, 1]", src)
             _check(self.rotary_dim > 0 and self.rotary_dim % 2 == 0, "head_dim",

@@ -21,11 +21,14 @@ class Linear(nn.Linear):
     uninitialised (``torch.empty``). Input ``(..., in_features)``, output ``(..., out_features)``.
 
     ``kernels`` (a ``modeling.kernels`` profile, or None for ``F.linear``): under a Megatron
-    profile ``forward(x, mode, sp, norm, fused)`` is a TE linear (``modeling.kernels.linear``):
-    ``mode`` "duplicated" / "column" / "row" with sequence-parallel degree ``sp``, ``norm`` an
-    RMSNorm fused in front (TE ``LayerNormLinear``), ``fused`` further ``Linear`` s whose
-    weights are concatenated to this one's output (Megatron's one ``linear_fc1`` for w1 and
-    w3). Other profiles run ``F.linear`` on ``x`` and take no extra arguments.
+    profile ``forward(x, mode, sp, norm, fused, skip_bias_add)`` is a TE linear
+    (``modeling.kernels.linear``): ``mode`` "duplicated" / "column" / "row" with
+    sequence-parallel degree ``sp``, ``norm`` an RMSNorm or LayerNorm fused in front (TE
+    ``LayerNormLinear``), ``fused`` further ``Linear`` s whose weights are concatenated to this
+    one's output (Megatron's one ``linear_fc1`` for w1 and w3), ``skip_bias_add`` leaves the
+    bias out of the GEMM for the caller to add (Megatron's ``skip_bias_add=True``: TE returns
+    the bias apart; the non-gated MLP's fused bias-GELU adds it). Other profiles run
+    ``F.linear`` on ``x`` (bias included) and take no extra arguments.
 
     ``group`` (``modeling.parallel.groups.ParamGroup``) is the weight's declared group, set
     here where the weight is made (a column-parallel weight ``(out / TP, in)`` has ``tp_dim``
@@ -45,10 +48,12 @@ class Linear(nn.Linear):
         """Values are not set here; see the module docstring."""
 
     def forward(self, x: Tensor, mode: str = "duplicated", sp: int = 1,
-                norm: nn.Module | None = None, fused: tuple[Linear, ...] = ()) -> Tensor:
+                norm: nn.Module | None = None, fused: tuple[Linear, ...] = (),
+                skip_bias_add: bool = False) -> Tensor:
         if self.kernels is not None and self.kernels.orchestration == "megatron":
             weights = [self.weight, *(f.weight for f in fused)]
-            biases = [m.bias for m in (self, *fused) if m.bias is not None]
+            biases = [] if skip_bias_add else [m.bias for m in (self, *fused)
+                                               if m.bias is not None]
             if biases:
                 return self.kernels.linear(x, weights, mode, sp, norm, biases)
             return self.kernels.linear(x, weights, mode, sp, norm)

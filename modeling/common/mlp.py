@@ -1,6 +1,7 @@
 """The MLP: SwiGLU ``w2(silu(w1(x)) * w3(x))`` (the dense FFN of every family, the body of
 every routed and shared expert: DeepSeek-V3 ``MLP`` / ``Expert``, transformers' ``LlamaMLP``),
-the same gated form with GELU (GeGLU), or the plain GELU MLP ``w2(gelu(w1(x)))`` (GPT-2's)."""
+the same gated form with GELU (GeGLU), or the plain MLP ``w2(act(w1(x)))`` with GELU (GPT-2's
+and Megatron's GPT default) or squared ReLU (Megatron's ``--squared-relu``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from modeling.parallel.groups import ParamGroup
 __all__ = ["MLP", "ACTIVATIONS"]
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+                # megatron/core/activations.py squared_relu, as torch ops
+                "squared_relu": lambda x: torch.pow(F.relu(x), 2)}
 ACTIVATIONS = tuple(_ACTIVATIONS)
 
 
@@ -40,11 +43,18 @@ class MLP(nn.Module):
     one of the rank's E / EP), ``split``: w1 / w3 column-parallel and w2 row-parallel over TP
     (ETP for a routed expert), or, False, replicated (arXiv 2502.07846's shared expert).
 
-    ``activation`` (``ACTIVATIONS``: transformers' ``ACT2FN`` names), ``gated`` (False: no
-    ``w3``, ``w2(act(w1(x)))``) and ``bias`` (biases on every linear: Llama's ``mlp_bias``)
-    select the other forms. Under ``megatron-te`` only SwiGLU runs the fused kernel; the
-    others run Megatron's unfused activation on fc1's output (megatron/core/transformer/
-    mlp.py ``MLP.forward``: ``glu`` chunks fc1's output in two)."""
+    ``activation`` (``ACTIVATIONS``: transformers' ``ACT2FN`` names and "squared_relu"),
+    ``gated`` (False: no ``w3``, ``w2(act(w1(x)))``) and ``bias`` (biases on every linear:
+    Llama's ``mlp_bias``, Megatron's ``add_bias_linear``) select the other forms. Under
+    ``megatron-te`` (megatron/core/transformer/mlp.py ``MLP.forward``): SwiGLU runs the fused
+    kernel; a non-gated MLP takes fc1's bias apart (``skip_bias_add=True``) and runs, with a
+    bias, GELU as the fused bias-GELU (``--bias-gelu-fusion``, Megatron's default) and squared
+    ReLU as ``fc1 + bias`` then the compiled squared ReLU, without one ``F.gelu`` or the
+    compiled squared ReLU on fc1's output (``modeling.kernels.activations``); other gated forms
+    run Megatron's unfused ``glu`` (fc1's output chunked in two). fc2's bias stays in its GEMM:
+    Megatron returns it apart to the fused bias-dropout-add (megatron/core/fusions/
+    fused_bias_dropout.py ``bias_dropout_add_fused_train``), which allocates nothing for it in
+    forward and its ``(h,)`` gradient in backward, as the GEMM's bias does here."""
 
     def __init__(self, dim: int, inter_dim: int, sp: int = 1,
                  kernels: KernelProfile | None = None, shared_overlap: bool = False, *,
@@ -56,6 +66,7 @@ class MLP(nn.Module):
         self.kernels = kernels or get_profile("eager")
         self.shared_overlap = shared_overlap
         self.act = _ACTIVATIONS[activation]
+        self.activation = activation
         self.swiglu = gated and activation == "silu"
         kern = self.kernels
         fc1 = ParamGroup(component, kind, 0 if split else None, ep)
@@ -65,7 +76,7 @@ class MLP(nn.Module):
         if gated:
             self.w3 = Linear(dim, inter_dim, bias=bias, kernels=kern, group=fc1)  # up projection
 
-    def forward(self, x: Tensor, norm: nn.RMSNorm | None = None) -> Tensor:
+    def forward(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
         if self.kernels.orchestration == "megatron":
             return self._forward_megatron(x, norm)
         if norm is not None:
@@ -76,18 +87,30 @@ class MLP(nn.Module):
             hidden = hidden * self.w3(x)
         return reduce_scatter(self.w2(hidden), self.sp, dim=1)
 
-    def _forward_megatron(self, x: Tensor, norm: nn.RMSNorm | None) -> Tensor:
+    def _forward_megatron(self, x: Tensor, norm: nn.Module | None) -> Tensor:
         swiglu = self.kernels.swiglu
         if self.shared_overlap:  # pre_forward_comm gathers; the linears do no TP comm
             x = all_gather(x, self.sp, dim=1)
             out = self.w2(swiglu(self.w1(x, fused=(self.w3,))))  # fc1 = [w1; w3], fc2
             return reduce_scatter(out, self.sp, dim=1)  # post_forward_comm
-        fused = (self.w3,) if hasattr(self, "w3") else ()
-        fc1 = self.w1(x, "column", self.sp, norm, fused=fused)  # (b, s, 2 * inter)
+        if not hasattr(self, "w3"):
+            return self.w2(self._activate_plain(x, norm), "row", self.sp)
+        fc1 = self.w1(x, "column", self.sp, norm, fused=(self.w3,))  # (b, s, 2 * inter)
         return self.w2(swiglu(fc1) if self.swiglu else self._activate(fc1), "row", self.sp)
 
+    def _activate_plain(self, x: Tensor, norm: nn.Module | None) -> Tensor:
+        """Megatron's non-gated ``MLP.forward``: fc1 (its bias returned apart), then the
+        activation with the bias; ``(b, s, inter)``."""
+        fc1 = self.w1(x, "column", self.sp, norm, skip_bias_add=True)  # (b, s, inter)
+        bias = self.w1.bias
+        if bias is not None and self.activation in ("gelu", "gelu_pytorch_tanh"):
+            return self.kernels.bias_gelu(fc1, bias)  # bias_gelu_impl (--bias-gelu-fusion)
+        if bias is not None:
+            fc1 = fc1 + bias  # intermediate_parallel + bias_parallel (no fusion)
+        if self.activation == "squared_relu":
+            return self.kernels.squared_relu(fc1)
+        return self.act(fc1)
+
     def _activate(self, fc1: Tensor) -> Tensor:
-        if not hasattr(self, "w3"):
-            return self.act(fc1)
         gate, up = torch.chunk(fc1, 2, dim=-1)  # Megatron's glu
         return self.act(gate) * up

@@ -1,6 +1,8 @@
-"""The DeepSeek-V2 / V3 language model for one training step: embedding, decoder layers (held
-in a ``ModuleDict`` keyed by the global layer number), final RMSNorm, output head, cross-entropy
-loss, and V3's multi-token-prediction (MTP) modules sharing the embedding and the head."""
+"""The language model for one training step (DeepSeek-V2 / V3, the dense and MoE Hugging Face
+families, Megatron's GPT): embedding (with learned absolute positions for GPT), decoder layers
+(held in a ``ModuleDict`` keyed by the global layer number), final norm, output head,
+cross-entropy loss, and V3's multi-token-prediction (MTP) modules sharing the embedding and the
+head."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from modeling.common.custom import (
 )
 from modeling.kernels import KernelProfile, get_profile
 from modeling.common.linear import Linear
-from modeling.common.norm import RMSNorm
+from modeling.common.norm import make_norm
 from modeling.parallel.collectives import all_gather, reduce_scatter
 from modeling.parallel.groups import (
     column,
@@ -51,16 +53,16 @@ class MTPModule(nn.Module):
         super().__init__()
         self.sizes = sizes
         self.kernels = kernels = kernels or get_profile("eager")
-        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        h = cfg.hidden_size
         # counted apart from the main model: the projection and its norms, and the layer
         norm = replicated("mtp_projection")
-        self.enorm = RMSNorm(h, eps=eps, kernels=kernels, group=norm)
-        self.hnorm = RMSNorm(h, eps=eps, kernels=kernels, group=norm)
+        self.enorm = make_norm(cfg, h, kernels, group=norm)
+        self.hnorm = make_norm(cfg, h, kernels, group=norm)
         self.eh_proj = Linear(2 * h, sizes.eh_proj_out, bias=False, kernels=kernels,
                               group=column("mtp_projection"))
         self.block = _layer(layer_id, cfg, attention, experts, sizes, kernels, replace, rank)
         set_component(self.block, "mtp_layer")
-        self.norm = RMSNorm(h, eps=eps, kernels=kernels, group=norm)
+        self.norm = make_norm(cfg, h, kernels, group=norm)
 
     def forward(self, hidden: Tensor, embedded: Tensor, routing: RoutingModel) -> Tensor:
         """``hidden``, ``embedded``: this rank's tokens ``(b, s_local, h)``."""
@@ -94,11 +96,23 @@ class Transformer(nn.Module):
             factories, resolved); ``rank``: this rank's coordinates, passed to them.
 
     Each parameter declares its group where it is made (``modeling.parallel.groups``); the
-    embedding (vocabulary split over TP, dim 0), each decoder layer, each MTP module and the
-    head are declared ZeRO-3 / FSDP units here.
+    embedding (vocabulary split over TP, dim 0), the position embedding, each decoder layer,
+    each MTP module and the head are declared ZeRO-3 / FSDP units here.
+
+    With ``cfg.position_embedding`` "learned_absolute" the embedding is Megatron-Core's
+    ``LanguageModelEmbedding`` (megatron/core/models/common/embeddings/
+    language_model_embedding.py at Megatron-LM d98e8a6): ``position_embed``, a plain
+    ``torch.nn.Embedding(max_position_embeddings, h)`` replicated over TP (no
+    ``tensor_model_parallel``; counted under "embedding"), held wherever the word embedding is
+    (the first stage, and the MTP stage); a tied head shares the word embedding only
+    (``LanguageModule.shared_embedding_or_output_weight``).
 
     Tokens and labels are ``(b, s)`` int64. MTP depth k predicts the token k positions further:
-    its inputs are the tokens and labels rolled left by k (same length s, as Megatron-LM does).
+    its inputs are the tokens and labels rolled left by k (same length s, as Megatron-LM does),
+    and with learned positions the position ids rolled left by k too (Megatron-Core's
+    ``MultiTokenPredictionLayer._get_embeddings`` rolls ``input_ids`` and ``position_ids`` and
+    calls the model's embedding; Megatron-LM's ``validate_args`` refuses MTP with learned
+    positions, and so does the gpt family's loader).
     """
 
     def __init__(self, cfg: ModelConfig, attention: str = "flash", experts: str = "grouped",
@@ -116,12 +130,17 @@ class Transformer(nn.Module):
         self.embed = (declare_fsdp_unit(declare_module(
             nn.Embedding(sizes.vocab, cfg.hidden_size), column("embedding")))
             if pre_process or has_mtp else None)  # VocabParallelEmbedding: vocab split
+        # LanguageModelEmbedding.position_embeddings ("serial": the whole table on every rank)
+        learned = cfg.position_embedding == "learned_absolute"
+        self.position_embed = (declare_fsdp_unit(declare_module(
+            nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size),
+            replicated("embedding"))) if learned and self.embed is not None else None)
         self.layers = nn.ModuleDict({
             str(i): declare_fsdp_unit(_layer(i, cfg, attention, experts, sizes, kernels,
                                              replace, rank))
             for chunk in self.chunks for i in chunk})
         if post_process:
-            self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, kernels=kernels)
+            self.norm = make_norm(cfg, cfg.hidden_size, kernels)
             # a ZeRO-3 unit kept gathered from its forward to its backward (tracemem.zero3)
             self.head = declare_fsdp_unit(Linear(cfg.hidden_size, sizes.vocab, bias=False,
                                                  kernels=kernels, group=column("output_head")),
@@ -133,10 +152,58 @@ class Transformer(nn.Module):
                                                     experts, sizes, kernels, replace, rank))
                 for i in range(cfg.num_mtp_modules)})
 
-    def _embed(self, tokens: Tensor) -> Tensor:
-        # vocabulary-parallel embedding: with SP its sum over TP is reduce-scattered along the
-        # sequence (Megatron-Core LanguageModelEmbedding), else all-reduced in place
-        return reduce_scatter(self.embed(tokens), self.sizes.sp, dim=1)  # (b, s_local, h)
+    def _embed(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """The embedding of ``tokens`` ``(b, s / cp)`` (and, with learned positions, of
+        ``positions``, the same shape), this rank's ``(b, s / (cp * sp), h)``."""
+        if self.position_embed is None:
+            # vocabulary-parallel embedding: with SP its sum over TP is reduce-scattered along
+            # the sequence (Megatron-Core LanguageModelEmbedding), else all-reduced in place
+            return self._embedding_dropout(
+                reduce_scatter(self.embed(tokens), self.sizes.sp, dim=1))  # (b, s_local, h)
+        # LanguageModelEmbedding.forward with learned absolute positions: no reduce-scatter
+        # in the word embedding (reduce_scatter_embeddings is False), an all-reduce over TP in
+        # place (reduce_from_tensor_model_parallel_region: nothing allocated)
+        word_embeddings = self.embed(tokens)  # (b, s, h)
+        position_embeddings = self.position_embed(positions)  # (b, s, h)
+        embeddings = word_embeddings + position_embeddings  # both stay alive until return
+        if self.kernels.orchestration == "megatron" and embeddings.shape[0] > 1:
+            # [b s h] -> [s b h]: transpose(0, 1).contiguous(), a copy unless b is 1 (then
+            # the transposed view is already contiguous); tracemem keeps (b, s, h): a clone
+            embeddings = embeddings.clone()
+        # SP: scatter_to_sequence_parallel_region (a view of this rank's slice) and its clone
+        # (clone_scatter_output_in_embedding, default True): one (b, s / sp, h) copy, whose
+        # backward all-gathers, as a reduce-scatter's does
+        embeddings = reduce_scatter(embeddings, self.sizes.sp, dim=1)  # (b, s / (cp * sp), h)
+        return self._embedding_dropout(embeddings)
+
+    def _embedding_dropout(self, embeddings: Tensor) -> Tensor:
+        """``LanguageModelEmbedding.embedding_dropout`` (megatron/core/models/common/embeddings/
+        language_model_embedding.py: ``torch.nn.Dropout(config.hidden_dropout)``, applied last,
+        after the sequence-parallel scatter, under the TP RNG tracker's fork with SP) on this
+        rank's ``(b, s_local, h)``: the profile's dropout (``modeling.kernels.dropout``);
+        ``embeddings`` itself when ``cfg.hidden_dropout`` is 0 or outside training."""
+        return self.kernels.dropout(embeddings, self.cfg.hidden_dropout, self.training)
+
+    def _positions(self, tokens: Tensor) -> Tensor | None:
+        """Position ids ``(b, s / cp)`` int64 for learned positions, else None. Megatron's
+        batch carries them (``position_ids`` ``[b, s]`` int64, megatron/core/utils.py
+        ``get_batch_on_this_tp_rank``); here the forward makes them: an arange of s / cp,
+        freed, and its ``(b, s / cp)`` repeat, which the embedding's backward keeps.
+
+        Raises:
+            TracememError: the sequence is longer than the position table (Megatron's
+                ``validate_args``: ``max_position_embeddings >= seq_length``).
+        """
+        if self.position_embed is None:
+            return None
+        b, s = tokens.shape
+        if s * self.sizes.cp > self.cfg.max_position_embeddings:
+            raise TracememError(
+                f"--seq-length {s * self.sizes.cp} is longer than max_position_embeddings "
+                f"({self.cfg.max_position_embeddings}) of {self.cfg.name}: learned absolute "
+                f"position embeddings have one row per position; use --seq-length <= "
+                f"{self.cfg.max_position_embeddings}")
+        return torch.arange(s, device=tokens.device).repeat(b, 1)  # (b, s / cp)
 
     def _loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
         if self.kernels.orchestration == "megatron":  # output_layer gathers inside
@@ -153,15 +220,17 @@ class Transformer(nn.Module):
         ``(b, s / cp)``."""
         first = chunk == 0 and self.pre_process
         last = chunk == len(self.chunks) - 1 and self.post_process
-        h = self._embed(inputs) if first else inputs
+        h = self._embed(inputs, self._positions(inputs)) if first else inputs
         for i in self.chunks[chunk]:
             h = self.layers[str(i)](h, routing)
         if not last:
             return h
         loss = self._loss(self.norm(h), labels)
         tokens = labels  # the MTP embeds the following tokens: the labels, rolled further
+        positions = self._positions(labels) if len(self.mtp) else None
         for depth, module in enumerate(self.mtp.values(), start=1):
-            h = module(h, self._embed(tokens.roll(-(depth - 1), dims=1)), routing)
+            rolled = None if positions is None else positions.roll(-depth, dims=1)
+            h = module(h, self._embed(tokens.roll(-(depth - 1), dims=1), rolled), routing)
             loss = loss + MTP_LOSS_WEIGHT * self._loss(h, labels.roll(-depth, dims=1))
         return loss
 

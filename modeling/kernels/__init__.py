@@ -1,6 +1,7 @@
 """Kernel profiles: which tensors a real training stack's kernels allocate, keep for backward and
-free, for every kernel family the model runs (norm, linear with TP / SP communication, RoPE,
-core attention, SwiGLU, router, MoE permute / dispatch / combine, grouped linear, loss).
+free, for every kernel family the model runs (RMSNorm and LayerNorm, linear with TP / SP
+communication, RoPE, core attention, SwiGLU, bias-GELU and squared ReLU, router, MoE permute /
+dispatch / combine, grouped linear, loss).
 
 The model modules (``modeling.common.attention.mla``, ``mlp``, ``moe``, ``block``, ``model``) hold a
 ``KernelProfile`` and call its methods; they never pick a kernel themselves. Three profiles:

@@ -1,6 +1,6 @@
 """Transformer Engine linear layers with their tensor- and sequence-parallel communication:
-``Linear`` (duplicated, column- or row-parallel) and ``LayerNormLinear`` (an RMSNorm fused
-in front of a column-parallel linear).
+``Linear`` (duplicated, column- or row-parallel) and ``LayerNormLinear`` (an RMSNorm or a
+LayerNorm fused in front of a column-parallel linear).
 
 Mirrors TransformerEngine d0067d0 (2.20.0.dev0), ``transformer_engine/pytorch/module/linear.py``
 ``_Linear.forward`` / ``backward`` and ``module/layernorm_linear.py`` ``_LayerNormLinear``:
@@ -12,7 +12,11 @@ Mirrors TransformerEngine d0067d0 (2.20.0.dev0), ``transformer_engine/pytorch/mo
   reduce-scattered to ``(b, s / sp, out)``; the input is saved.
 - ``LayerNormLinear``: the norm's input (a contiguous copy when the caller passes a view that
   is not contiguous: ``inputmat = inp.view(...)`` needs one), its output ``ln_out`` (local) and
-  the fp32 rstd are saved; ``ln_out`` is all-gathered for the GEMM and re-gathered in backward.
+  the fp32 rsigma ``(tokens,)`` are saved, and with ``normalization="LayerNorm"`` (the norm has
+  a bias) the fp32 mu ``(tokens,)`` too (``apply_normalization`` returns ``ln_out, mu,
+  rsigma``; ``prepare_for_saving(inputmat, ..., ln_out_to_save, mu, rsigma)``); ``ln_out`` is
+  all-gathered for the GEMM and re-gathered in backward, whose ``layernorm_bwd`` /
+  ``rmsnorm_bwd`` allocates dx, dgamma (and dbeta).
 - backward: the input is re-gathered for the weight gradient (launched before the dgrad GEMM),
   the dgrad GEMM output ``(b, s, in)`` is reduce-scattered (column) and freed; row-parallel
   gathers the output gradient first and frees it after the wgrad GEMM. With Megatron's
@@ -42,20 +46,24 @@ _MODES = ("duplicated", "column", "row")
 class _TELinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, mode: str, sp: int, norm_weight: Tensor | None,
-                fuse_wgrad: bool, num_biases: int, *tensors: Tensor) -> Tensor:
+                norm_bias: Tensor | None, fuse_wgrad: bool, num_biases: int,
+                *tensors: Tensor) -> Tensor:
         # tensors: the weights, then num_biases biases (added in the GEMM's epilogue: no
         # tensor of their own in forward; backward allocates each bias gradient)
         weights = tensors[:len(tensors) - num_biases]
         ctx.biases = tensors[len(weights):]
         ctx.mode, ctx.sp, ctx.fuse_wgrad = mode, sp, fuse_wgrad
         ctx.has_norm = norm_weight is not None
+        ctx.norm_bias = norm_bias  # a parameter (LayerNorm's beta), or None (RMSNorm)
         out_features = sum(w.shape[0] for w in weights)
-        if norm_weight is not None:  # LayerNormLinear: rmsnorm_fwd, then the GEMM on ln_out
+        if norm_weight is not None:  # LayerNormLinear: the norm, then the GEMM on ln_out
             x = x.contiguous()
             ln_out = torch.empty_like(x)
-            rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+            stats = [torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+                     for _ in range(1 if norm_bias is None else 2)]  # [mu,] rsigma
             gemm_in = ln_out
-            ctx.save_for_backward(x, ln_out, rstd, norm_weight, *weights)
+            ctx.num_stats = len(stats)
+            ctx.save_for_backward(x, ln_out, *stats, norm_weight, *weights)
         else:
             gemm_in = x
             ctx.save_for_backward(x, *weights)
@@ -70,7 +78,8 @@ class _TELinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         if ctx.has_norm:
-            x, ln_out, _rstd, norm_weight, *weights = ctx.saved_tensors
+            x, ln_out, *rest = ctx.saved_tensors
+            norm_weight, *weights = rest[ctx.num_stats:]
             gemm_in = ln_out
         else:
             x, *weights = ctx.saved_tensors
@@ -90,14 +99,18 @@ class _TELinear(torch.autograd.Function):
         del in_total, grad_total  # after the wgrad GEMM
         bgrads = [torch.empty_like(b) for b in ctx.biases]  # grad_bias (bgrad of the GEMM)
         if not ctx.has_norm:
-            return (dgrad, None, None, None, None, None, *wgrads, *bgrads)
-        dx = torch.empty_like(x)  # rmsnorm_bwd(dgrad, inputmat, rsigma, ln_weight)
+            return (dgrad, None, None, None, None, None, None, *wgrads, *bgrads)
+        # rmsnorm_bwd(dgrad, inputmat, rsigma, ln_weight) -> dx, dgamma; layernorm_bwd(dgrad,
+        # inputmat, mu, rsigma, ln_weight) -> dx, dgamma, dbeta
+        dx = torch.empty_like(x)
         del dgrad
-        return (dx, None, None, torch.empty_like(norm_weight), None, None, *wgrads, *bgrads)
+        dgamma = torch.empty_like(norm_weight)
+        dbeta = None if ctx.norm_bias is None else torch.empty_like(ctx.norm_bias)
+        return (dx, None, None, dgamma, dbeta, None, None, *wgrads, *bgrads)
 
 
 def te_linear(x: Tensor, weights: list[Tensor], mode: str = "duplicated", sp: int = 1,
-              norm: nn.RMSNorm | None = None, fuse_wgrad: bool = True,
+              norm: nn.Module | None = None, fuse_wgrad: bool = True,
               biases: list[Tensor] = ()) -> Tensor:
     """A TE linear on this rank's ``x`` ``(b, s_local, in)``.
 
@@ -107,7 +120,9 @@ def te_linear(x: Tensor, weights: list[Tensor], mode: str = "duplicated", sp: in
             projections), ``"column"`` (with ``sp`` > 1 the input is all-gathered along the
             sequence: output ``(b, s, out)``) or ``"row"`` (with ``sp`` > 1 the output is
             reduce-scattered: ``(b, s / sp, out)``).
-        norm: an ``nn.RMSNorm`` fused in front (TE ``LayerNormLinear``), or None.
+        norm: a norm fused in front (TE ``LayerNormLinear``), or None: an RMSNorm (its
+            ``weight`` ``(in,)``) or a LayerNorm (``weight`` and ``bias`` ``(in,)``; TE's
+            ``normalization="LayerNorm"``).
         fuse_wgrad: Megatron's ``--gradient-accumulation-fusion``.
         biases: ``(out_i,)`` each, for the weights that have one (``bias=True``: Qwen2's
             ``linear_qkv``); TE adds them in the GEMM and allocates their gradients in
@@ -118,5 +133,6 @@ def te_linear(x: Tensor, weights: list[Tensor], mode: str = "duplicated", sp: in
     """
     if mode not in _MODES:
         raise ValueError(f"mode {mode!r} not in {_MODES}")
-    return _TELinear.apply(x, mode, sp, None if norm is None else norm.weight, fuse_wgrad,
-                           len(biases), *weights, *biases)
+    return _TELinear.apply(x, mode, sp, None if norm is None else norm.weight,
+                           getattr(norm, "bias", None), fuse_wgrad, len(biases), *weights,
+                           *biases)

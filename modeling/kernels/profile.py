@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from modeling.kernels import attention, linear, loss, moe, norm, rope, router, swiglu
+from modeling.kernels import activations, attention, linear, loss, moe, norm, rope, router, swiglu
+from modeling.kernels import dropout as dropouts
 from tracemem.errors import TracememError
 
 __all__ = ["KERNEL_PROFILES", "MEGATRON_TE_OPTIONS", "KernelProfile", "EagerKernels",
@@ -31,6 +32,16 @@ MEGATRON_TE_OPTIONS = {
     "moe_shared_expert_overlap": ((True, False), True,
                                   "Megatron --moe-shared-expert-overlap: the shared experts "
                                   "save their gathered input"),
+    "cross_entropy_fusion": (loss.CROSS_ENTROPY_FUSIONS, "te",
+                             "Megatron --cross-entropy-loss-fusion with --cross-entropy-fusion-"
+                             "impl te (TE's parallel cross entropy) or native (Megatron's "
+                             "compiled one), or none: no --cross-entropy-loss-fusion "
+                             "(tensor_parallel.vocab_parallel_cross_entropy)"),
+    "masked_softmax_fusion": ((True, False), True,
+                              "--attention unfused / local: the fused causal softmax kernel "
+                              "where its shapes allow (Megatron --no-masked-softmax-fusion, "
+                              "TE NVTE_MASKED_SOFTMAX_FUSION=0 turn it off: torch's fp32 "
+                              "softmax)"),
 }
 
 
@@ -51,12 +62,25 @@ class KernelProfile:
         calls it from its forward)."""
         return nn.RMSNorm.forward(module, x)
 
+    def layer_norm(self, module: nn.LayerNorm, x: Tensor) -> Tensor:
+        """LayerNorm of ``x`` ``(..., h)`` with ``module``'s weight, bias and eps
+        (``modeling.common.norm.LayerNorm`` calls it): ``nn.LayerNorm``'s own forward, which
+        is already aten's fused ``native_layer_norm`` (eager and torch)."""
+        return nn.LayerNorm.forward(module, x)
+
     def core_attention(self, q: Tensor, k: Tensor, v: Tensor, scale: float,
-                       kind: str) -> Tensor:
-        """``kind`` "eager" or "flash" on ``(b, n, s, d)`` tensors."""
+                       kind: str, dropout: float = 0.0) -> Tensor:
+        """``kind`` "eager" or "flash" on ``(b, n, s, d)`` tensors, attention dropout with
+        probability ``dropout``."""
         if kind == "eager":
-            return attention.eager_attention(q, k, v, scale)
-        return attention.sdpa_attention(q, k, v, scale)
+            return attention.eager_attention(q, k, v, scale, dropout, self.dropout)
+        return attention.sdpa_attention(q, k, v, scale, dropout)
+
+    def dropout(self, x: Tensor, p: float, training: bool = True) -> Tensor:
+        """Dropout of ``x`` with probability ``p`` (``x`` itself when p is 0 or not training):
+        ``F.dropout`` on ``x``'s device (``modeling.kernels.dropout``: CPU and meta keep a
+        noise tensor of ``x``'s dtype), byte-exact against a real CPU step."""
+        return dropouts.torch_dropout(x, p, training)
 
     def loss(self, logits: Tensor, labels: Tensor, tp: int) -> Tensor:
         """Mean token loss of this rank's ``(b, s, V / TP)`` logits."""
@@ -76,6 +100,10 @@ class TorchKernels(KernelProfile):
     def rms_norm(self, module, x):
         return norm.fused_rms_norm(module, x)
 
+    def dropout(self, x, p, training=True):
+        """CUDA's dropout, ``aten::native_dropout``: a bool mask kept."""
+        return dropouts.native_dropout(x, p, training)
+
 
 class MegatronTEKernels(KernelProfile):
     """Megatron-Core + Transformer Engine 2.x in bf16 (options: ``MEGATRON_TE_OPTIONS``)."""
@@ -90,9 +118,26 @@ class MegatronTEKernels(KernelProfile):
     def rms_norm(self, module, x):
         return norm.te_rms_norm(module, x)
 
-    def core_attention(self, q, k, v, scale, kind):
-        """TE fused attention on ``(b, s, n, d)`` tensors; returns ``(b, s, n * d_v)``."""
+    def layer_norm(self, module, x):
+        return norm.te_layer_norm(module, x)
+
+    def core_attention(self, q, k, v, scale, kind, dropout=0.0):
+        """``kind`` "flash": TE fused attention on ``(b, s, n, d)`` tensors (attention dropout
+        keeps nothing more: the rng state is kept already); "unfused" / "local": Megatron's
+        unfused attention (``attention.megatron_unfused_attention``) with attention dropout
+        ``dropout``. Returns ``(b, s, n * d_v)``."""
+        if kind in attention.UNFUSED_IMPLS:
+            return attention.megatron_unfused_attention(
+                q, k, v, scale, kind, dropout, self.dropout,
+                self.options["masked_softmax_fusion"])
         return attention.te_fused_attention(q, k, v)
+
+    def dropout(self, x, p, training=True):
+        """``torch.nn.Dropout`` / ``F.dropout`` on CUDA: ``aten::native_dropout``, a bool mask
+        kept. Megatron's ``bias_dropout_add`` under ``--bias-dropout-fusion`` (the default) is compiled
+        (``torch.compile``) and keeps the same bool mask; it does not materialise the dropped
+        tensor before the residual add, which this eager op does, transiently."""
+        return dropouts.native_dropout(x, p, training)
 
     def linear(self, x, weights, mode="duplicated", sp=1, norm_module=None, biases=()):
         return linear.te_linear(x, weights, mode, sp, norm_module, self.fuse_wgrad, biases)
@@ -108,6 +153,12 @@ class MegatronTEKernels(KernelProfile):
 
     def weighted_swiglu(self, y, probs):
         return swiglu.fused_weighted_swiglu(y, probs)
+
+    def bias_gelu(self, y, bias):
+        return activations.fused_bias_gelu(y, bias)
+
+    def squared_relu(self, y):
+        return activations.compiled_squared_relu(y)
 
     def router_logits(self, x, weight):
         return router.router_gating_linear(x, weight)
@@ -125,7 +176,9 @@ class MegatronTEKernels(KernelProfile):
         return moe.te_grouped_linear(x, weights, out_features, self.fuse_wgrad)
 
     def loss(self, logits, labels, tp):
-        return loss.te_cross_entropy(logits, labels, tp, self.options["te_version"])
+        return loss.megatron_cross_entropy(logits, labels, tp,
+                                           self.options["cross_entropy_fusion"],
+                                           self.options["te_version"])
 
 
 _CLASSES = {"eager": EagerKernels, "torch": TorchKernels, "megatron-te": MegatronTEKernels}

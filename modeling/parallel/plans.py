@@ -24,6 +24,10 @@ a model and a parallel layout into the local sizes the modules are built with.
   ``VocabParallelEmbedding``, ``ColumnParallelLinear``): vocabulary split over TP, after padding
   the vocabulary to a multiple of 128 * TP (megatron/training/tokenizer/tokenizer.py,
   ``_vocab_size_with_padding``, default ``--make-vocab-size-divisible-by 128``).
+- Learned absolute position embedding (megatron/core/models/common/embeddings/
+  language_model_embedding.py ``LanguageModelEmbedding.__init__``: ``position_embeddings`` a
+  plain ``torch.nn.Embedding(max_sequence_length, hidden_size)``, "serial"): replicated, the
+  whole ``[max_position_embeddings, h]`` table on every TP rank, beside the word embedding.
 - MTP (megatron/core/transformer/multi_token_prediction.py): enorm, hnorm replicated, eh_proj
   column-parallel; the MTP stage also holds an embedding (megatron/core/models/gpt/gpt_model.py:
   ``if self.pre_process or self.mtp_process: self.embedding = ...``).
@@ -140,5 +144,6 @@ PLAN_TABLE = {
     "ffn.shared_expert_gate (Qwen2-MoE)": ("replicated; ZeRO over DP", "replicated; ZeRO over DP"),
     "embed, head": ("vocabulary (padded to 128*TP) split over TP",
                     "vocabulary split over TP, no padding"),
+    "position_embed (learned absolute positions)": ("replicated", "replicated"),
     "mtp.eh_proj": ("split over TP", "split over TP"),
 }

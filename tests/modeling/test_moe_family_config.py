@@ -19,7 +19,7 @@ from modeling.registry import FAMILIES
 from tracemem.errors import TracememError
 
 KNOWN = ("families known: deepseek_v2, deepseek_v3, llama, qwen2, qwen3, qwen3_moe, qwen2_moe, "
-         "mixtral$")
+         "mixtral, gpt$")
 
 
 def _write(tmp_path, preset, **changes):

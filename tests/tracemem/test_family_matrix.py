@@ -17,7 +17,7 @@ from modeling import load_config
 from tracemem.errors import TracememError
 from tracemem.estimator import estimate
 
-FAMILIES = ["llama-tiny", "qwen2-tiny", "qwen3-tiny"]
+FAMILIES = ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "gpt-tiny"]
 STEP = dict(micro_batch_size=1, seq_length=32, num_microbatches=4)
 
 

@@ -3,8 +3,10 @@ and multi-query (MQA: one) as its two ends; the training form (no KV cache).
 
 ``wq``, ``wk``, ``wv`` project to n_h query heads and n_kv key/value heads of ``head_dim``
 each (optional biases: Qwen2's q, k, v; Llama's ``attention_bias`` on all four); Qwen3's
-``q_norm`` / ``k_norm`` (RMSNorm over head_dim) act on queries and keys before RoPE; RoPE
-rotates the first ``rotary_dim`` channels of each head (partial RoPE); ``wo`` projects back.
+``q_norm`` / ``k_norm`` (over head_dim, ``cfg.normalization``'s norm) act on queries and keys
+before RoPE; RoPE rotates the first ``rotary_dim`` channels of each head (partial RoPE), and
+is skipped when ``cfg.position_embedding`` is not "rope" (Megatron's GPT with learned absolute
+positions: no rotary embedding); ``wo`` projects back.
 Module names follow torchtitan's ``models/llama3/model.py`` ``Attention`` (``wq``, ``wk``,
 ``wv``, ``wo``) and transformers' Qwen3 (``q_norm``, ``k_norm``).
 """
@@ -14,15 +16,14 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from modeling.common.attention.mla import ATTENTION_KERNELS
+from modeling.common.attention.mla import check_attention_kernel
 from modeling.common.config import ModelConfig
 from modeling.common.linear import Linear
-from modeling.common.norm import RMSNorm
+from modeling.common.norm import make_norm
 from modeling.common.rope import apply_rope, inv_freq
 from modeling.kernels import KernelProfile, get_profile
 from modeling.parallel.collectives import all_gather, reduce_scatter
 from modeling.parallel.groups import column, row
-from tracemem.errors import TracememError
 
 __all__ = ["GQA", "repeat_kv"]
 
@@ -62,30 +63,33 @@ class GQA(nn.Module):
             megatron/core/transformer/attention.py ``SelfAttention.__init__`` and
             ``get_query_key_value_tensors``; megatron/core/models/gpt/gpt_layer_specs.py
             ``get_gpt_layer_with_transformer_engine_spec``): one ``linear_qkv``
-            (``TELayerNormColumnParallelLinear``: the input RMSNorm fused in, q, k, v weights
-            and biases in one GEMM, output ``(b, s, n_kv * (n_h / n_kv + 2) * head_dim)``),
-            viewed per query group and split; the query ``reshape`` copies (the split is not
-            viewable), ``q_layernorm`` / ``k_layernorm`` (``TENorm``, which copies the strided
-            key), Megatron's unfused RoPE (``modeling.kernels.rope``), TE's fused attention on
-            n_kv key/value heads (no repeat; it copies the strided value), a row-parallel
-            ``linear_proj``.
+            (``TELayerNormColumnParallelLinear``: the input RMSNorm or LayerNorm fused in, q,
+            k, v weights and biases in one GEMM, output ``(b, s, n_kv * (n_h / n_kv + 2) *
+            head_dim)``), viewed per query group and split; the query ``reshape`` copies (the
+            split is not viewable), ``q_layernorm`` / ``k_layernorm`` (``TENorm``, which copies
+            the strided key), Megatron's unfused RoPE (``modeling.kernels.rope``; none without
+            RoPE), TE's fused attention on n_kv key/value heads (no repeat; it copies the
+            strided value), a row-parallel ``linear_proj`` (its bias, returned apart by
+            ``skip_bias_add=True`` to the fused bias-dropout-add, stays in the GEMM here: the
+            same bytes, see ``modeling.common.mlp.MLP``).
+
+        Attention dropout (``cfg.attention_dropout``) applies in training, in every kernel;
+        ``"unfused"`` / ``"local"`` (megatron-te) are Megatron's unfused attentions
+        (``modeling.common.attention.mla.check_attention_kernel``).
 
     Raises:
-        TracememError: unknown ``attention``; ``eager`` attention under megatron-te.
+        TracememError: unknown ``attention`` or one the profile does not run
+            (``check_attention_kernel``).
     """
 
     def __init__(self, cfg: ModelConfig, attention: str = "flash", num_heads: int | None = None,
                  num_kv_heads: int | None = None, sp: int = 1, cp: int = 1,
                  kernels: KernelProfile | None = None):
         super().__init__()
-        if attention not in ATTENTION_KERNELS:
-            raise TracememError(f"--attention {attention!r} is invalid; choose one of "
-                                f"{', '.join(ATTENTION_KERNELS)}")
         self.kernels = kern = kernels or get_profile("eager")
-        if kern.orchestration == "megatron" and attention == "eager":
-            raise TracememError(f"--kernels {kern.name} runs TE's fused attention: --attention "
-                                f"eager needs --kernels eager or torch")
+        check_attention_kernel(attention, kern, cp)
         self.attention = attention
+        self.attention_dropout = cfg.attention_dropout
         self.sp, self.cp = sp, cp
         self.recompute: frozenset[str] = frozenset()  # set by Block: "core_attn"
         self.num_heads = num_heads or cfg.num_attention_heads
@@ -101,13 +105,15 @@ class GQA(nn.Module):
         self.wv = Linear(h, n_kv * d, bias=cfg.qkv_bias, kernels=kern, group=col)
         self.wo = Linear(n * d, h, bias=cfg.o_bias, kernels=kern, group=rw)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, kernels=kern)
-            self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, kernels=kern)
-        self.register_buffer("inv_freq", inv_freq(cfg.rotary_dim, cfg.rope_theta),
-                             persistent=False)  # (rotary_dim / 2,)
+            self.q_norm = make_norm(cfg, d, kern)
+            self.k_norm = make_norm(cfg, d, kern)
+        self.rope = cfg.has_rope
+        if self.rope:
+            self.register_buffer("inv_freq", inv_freq(cfg.rotary_dim, cfg.rope_theta),
+                                 persistent=False)  # (rotary_dim / 2,)
 
     def forward(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
-        """``x`` ``(b, s / (cp * sp), h)``; ``norm`` the layer's input RMSNorm when the
+        """``x`` ``(b, s / (cp * sp), h)``; ``norm`` the layer's input norm when the
         profile fuses it into ``linear_qkv`` (megatron-te), else None."""
         if self.kernels.orchestration == "megatron":
             return self._forward_megatron(x, norm)
@@ -118,7 +124,8 @@ class GQA(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, self.inv_freq), apply_rope(k, self.inv_freq)
+        if self.rope:
+            q, k = apply_rope(q, self.inv_freq), apply_rope(k, self.inv_freq)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, n, s / cp, d)
         # CP: every rank needs all keys and values (all-gather variant of context parallelism)
         k, v = all_gather(k, self.cp, dim=2), all_gather(v, self.cp, dim=2)
@@ -133,7 +140,12 @@ class GQA(nn.Module):
         # (b, n, s / cp, d) queries, (b, n_kv, s, d) keys and values in; (b, n, s / cp, d) out
         n_rep = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        return self.kernels.core_attention(q, k, v, self.scale, self.attention)
+        return self.kernels.core_attention(q, k, v, self.scale, self.attention, self._dropout)
+
+    @property
+    def _dropout(self) -> float:
+        """The attention dropout probability in force (0 outside training)."""
+        return self.attention_dropout if self.training else 0.0
 
     # ------------------------------------------------------- Megatron-Core's SelfAttention
     def _forward_megatron(self, x: Tensor, norm: nn.Module | None) -> Tensor:
@@ -146,15 +158,17 @@ class GQA(nn.Module):
         query = query.reshape(b, s, -1, d)  # (b, s, n_local, d): a copy
         if hasattr(self, "q_norm"):  # TENorm (it copies a strided input: kernels.norm)
             query, key = self.q_norm(query), self.k_norm(key)
-        query = kern.rope_bshd(query, self.inv_freq)
-        key = kern.rope_bshd(key, self.inv_freq)  # (b, s, n_kv_local, d)
+        if self.rope:
+            query = kern.rope_bshd(query, self.inv_freq)
+            key = kern.rope_bshd(key, self.inv_freq)  # (b, s, n_kv_local, d)
         # value stays a strided slice of linear_qkv's output: TE's fused attention copies it
         # (modeling.kernels.attention.te_fused_attention, get_qkv_layout)
         # CP: every rank needs all keys and values (all-gather variant of context parallelism)
         key, value = all_gather(key, self.cp, dim=1), all_gather(value, self.cp, dim=1)
         if "core_attn" in self.recompute:
             out = checkpoint(kern.core_attention, query, key, value, self.scale,
-                             self.attention, use_reentrant=False)
+                             self.attention, self._dropout, use_reentrant=False)
         else:
-            out = kern.core_attention(query, key, value, self.scale, self.attention)
+            out = kern.core_attention(query, key, value, self.scale, self.attention,
+                                      self._dropout)
         return self.wo(out, "row", self.sp)  # (b, s / (cp * sp), h)

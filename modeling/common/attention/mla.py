@@ -15,15 +15,48 @@ from torch.utils.checkpoint import checkpoint
 from modeling.common.config import ModelConfig
 from modeling.kernels import KernelProfile, get_profile
 from modeling.common.linear import Linear
-from modeling.common.norm import RMSNorm
+from modeling.common.norm import make_norm
 from modeling.common.rope import apply_rope
 from modeling.parallel.collectives import all_gather, reduce_scatter
 from modeling.parallel.groups import column, replicated, row
 from tracemem.errors import TracememError
 
-__all__ = ["MLA", "ATTENTION_KERNELS", "apply_rope"]
+__all__ = ["MLA", "ATTENTION_KERNELS", "check_attention_kernel", "apply_rope"]
 
-ATTENTION_KERNELS = ("flash", "eager")
+# flash, eager: modeling.kernels.attention; unfused, local: Megatron's --attention-backend
+# unfused (TE's UnfusedDotProductAttention) and local (Megatron-Core's DotProductAttention)
+ATTENTION_KERNELS = ("flash", "eager", "unfused", "local")
+
+
+def check_attention_kernel(attention: str, kernels: KernelProfile, cp: int) -> None:
+    """Refuse an attention kernel the profile does not run.
+
+    "unfused" and "local" are Megatron's unfused attentions (``modeling.kernels.attention.
+    megatron_unfused_attention``): megatron-te only, and neither supports context parallelism
+    (Megatron-Core's ``DotProductAttention.__init__`` asserts ``context_parallel_size == 1``; TE's
+    ``get_attention_backend`` disables ``UnfusedDotProductAttention`` under CP). They are not
+    aliases of "eager" under the eager and torch profiles: those trace different ops (a bf16
+    masked copy and an fp32 softmax kept) under the same name, so "eager" is named instead.
+
+    Raises:
+        TracememError: an unknown kernel; "eager" under megatron-te; "unfused" or "local"
+            under another profile or with CP > 1.
+    """
+    if attention not in ATTENTION_KERNELS:
+        raise TracememError(f"--attention {attention!r} is invalid; choose one of "
+                            f"{', '.join(ATTENTION_KERNELS)}")
+    megatron = kernels.orchestration == "megatron"
+    if megatron and attention == "eager":
+        raise TracememError(f"--kernels {kernels.name} runs Megatron's attentions: --attention "
+                            f"eager needs --kernels eager or torch (Megatron's unfused "
+                            f"attention: --attention unfused or local)")
+    if attention in ("unfused", "local") and not megatron:
+        raise TracememError(f"--attention {attention} is Megatron's --attention-backend "
+                            f"{attention} and needs --kernels megatron-te; under --kernels "
+                            f"{kernels.name} the s x s attention is --attention eager")
+    if attention in ("unfused", "local") and cp > 1:
+        raise TracememError(f"--attention {attention} does not support context parallelism "
+                            f"(--cp {cp}); use --attention flash")
 
 
 class MLA(nn.Module):
@@ -32,7 +65,9 @@ class MLA(nn.Module):
     Args:
         cfg: the model config.
         attention: ``"eager"`` materialises the (b, n_h, s, s) scores and probabilities, as
-            arXiv 2502.07846 counts them; ``"flash"`` calls a fused kernel that keeps only the
+            arXiv 2502.07846 counts them; ``"unfused"`` / ``"local"`` (megatron-te) are
+            Megatron's unfused attentions (``check_attention_kernel``); ``"flash"`` calls a
+            fused kernel that keeps only the
             output and the log-sum-exp for backward. MLA's value head (128) is narrower than
             its query/key head (192), which aten's FlashAttention-2 op rejects, so "flash" calls
             ``aten._scaled_dot_product_efficient_attention`` (output (b, n_h, s, d_v), logsumexp
@@ -58,25 +93,26 @@ class MLA(nn.Module):
             re-gather in backward), the RoPE key gathered along the sequence, unfused RoPE,
             contiguous q / k / v into TE's fused attention, a row-parallel ``linear_proj``.
 
+        Attention dropout (``cfg.attention_dropout``) applies in training, in every kernel.
+
     Raises:
-        TracememError: unknown ``attention``; ``eager`` attention or the replicated query
-            RoPE projection with a profile that has neither.
+        TracememError: unknown ``attention`` or one the profile does not run
+            (``check_attention_kernel``); the replicated query RoPE projection under
+            megatron-te.
     """
 
     def __init__(self, cfg: ModelConfig, attention: str = "flash", num_heads: int | None = None,
                  replicate_q_rope: bool = False, sp: int = 1, cp: int = 1,
                  kernels: KernelProfile | None = None):
         super().__init__()
-        if attention not in ATTENTION_KERNELS:
-            raise TracememError(f"--attention {attention!r} is invalid; choose one of "
-                                f"{', '.join(ATTENTION_KERNELS)}")
         self.kernels = kernels or get_profile("eager")
-        if self.kernels.orchestration == "megatron" and (attention == "eager"
-                                                         or replicate_q_rope):
+        check_attention_kernel(attention, self.kernels, cp)
+        if self.kernels.orchestration == "megatron" and replicate_q_rope:
             raise TracememError(
-                f"--kernels {self.kernels.name} runs TE's fused attention and Megatron's MLA "
-                f"layout: --attention eager and --plan paper-2502.07846 need --kernels eager")
+                f"--kernels {self.kernels.name} runs Megatron's MLA layout: --plan "
+                f"paper-2502.07846 needs --kernels eager")
         self.attention = attention
+        self.attention_dropout = cfg.attention_dropout
         self.sp, self.cp = sp, cp
         self.recompute: frozenset[str] = frozenset()  # set by Block: "core_attn", "mla_up_proj"
         self.num_heads = num_heads or cfg.num_attention_heads
@@ -95,7 +131,7 @@ class MLA(nn.Module):
             self.wq = Linear(h, n * q_head, bias=False, kernels=kern, group=col)
         else:
             self.wq_a = Linear(h, cfg.q_lora_rank, bias=False, kernels=kern, group=dup)
-            self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, kernels=kern)
+            self.q_norm = make_norm(cfg, cfg.q_lora_rank, kern)
             self.wq_b = Linear(cfg.q_lora_rank, n * q_head, bias=False, kernels=kern,
                                group=col)
         if replicate_q_rope:
@@ -103,7 +139,7 @@ class MLA(nn.Module):
                                bias=False, group=dup)
         self.wkv_a = Linear(h, self.kv_lora_rank + self.rope_dim, bias=False, kernels=kern,
                             group=dup)
-        self.kv_norm = RMSNorm(self.kv_lora_rank, eps=cfg.rms_norm_eps, kernels=kern)
+        self.kv_norm = make_norm(cfg, self.kv_lora_rank, kern)
         self.wkv_b = Linear(self.kv_lora_rank, n * (self.nope_dim + self.v_head_dim),
                             bias=False, kernels=kern, group=col)
         self.wo = Linear(n * self.v_head_dim, h, bias=False, kernels=kern, group=rw)
@@ -153,7 +189,12 @@ class MLA(nn.Module):
 
     def _core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # (b, n_h, s / cp, d) in, (b, n_h, s / cp, v_head_dim) out
-        return self.kernels.core_attention(q, k, v, self.scale, self.attention)
+        return self.kernels.core_attention(q, k, v, self.scale, self.attention, self._dropout)
+
+    @property
+    def _dropout(self) -> float:
+        """The attention dropout probability in force (0 outside training)."""
+        return self.attention_dropout if self.training else 0.0
 
     # ------------------------------------------------------------------ Megatron-Core's MLA
     def _forward_megatron(self, x: Tensor) -> Tensor:
@@ -183,8 +224,8 @@ class MLA(nn.Module):
         k = self.kernels
         if "core_attn" in self.recompute:
             return checkpoint(k.core_attention, query, key, value, self.scale, self.attention,
-                              use_reentrant=False)
-        return k.core_attention(query, key, value, self.scale, self.attention)
+                              self._dropout, use_reentrant=False)
+        return k.core_attention(query, key, value, self.scale, self.attention, self._dropout)
 
     def _qkv_megatron(self, q_compressed: Tensor, kv_compressed: Tensor,
                       k_pos_emb: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -60,7 +60,8 @@ HF_KEYS: dict[str, tuple[str, type | tuple[type, ...], Any]] = {
 # reference model has no attention biases.
 CHECKED = ("num_key_value_heads", "attention_bias", "hidden_act")
 # Keys another family reads that a DeepSeek config.json may carry with no effect here.
-TOLERATED = ("rope_scaling", "attention_dropout", "pretraining_tp")
+TOLERATED = ("rope_scaling", "attention_dropout", "pretraining_tp",
+             "dtype")  # newer transformers' name of torch_dtype (a gpt key), not read here
 
 
 def config_from_dict(data: dict[str, Any], source: str) -> ModelConfig:

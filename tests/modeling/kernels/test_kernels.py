@@ -170,7 +170,8 @@ def test_te_cross_entropy_gradient_by_version(version, kept_logits):
 def test_profiles_validate_names_and_options():
     assert get_profile("megatron-te").options == {
         "te_version": "2.18", "gradient_accumulation_fusion": True,
-        "moe_shared_expert_overlap": True}
+        "moe_shared_expert_overlap": True, "cross_entropy_fusion": "te",
+        "masked_softmax_fusion": True}
     with pytest.raises(TracememError, match="--kernels 'te' is invalid; choose one of "
                                             "megatron-te, torch, eager"):
         get_profile("te")
