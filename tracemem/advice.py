@@ -8,7 +8,7 @@ The changes tried, each on its own, at most seven (a bounded search, about one e
 - ``--micro-batch-size b/2`` with ``--num-microbatches 2M`` (the global batch b x M x DP kept)
   when b is even;
 - the next ZeRO stage, and ZeRO-3, when higher than the current one;
-- ``--ep 2 x EP`` (EDP halves; dense DP and the global batch unchanged);
+- ``--ep 2 x EP`` (EDP halves; dense DP and the global batch unchanged), for an MoE model;
 - ``--pp 2 x PP`` with ``--num-microbatches 2M`` (DP halves, so 2M keeps the global batch)
   and a layout that the validator accepts (``tracemem.parallel.suggest_ends`` /
   ``suggest_layout``).
@@ -41,6 +41,8 @@ class FitCandidate:
             ``hbm`` is judged on).
         stages_over_hbm: pipeline stages with a rank still over ``hbm``.
         fits: every rank fits in ``hbm``.
+        megatron_change: for a job that came in as Megatron-LM arguments, the arguments to
+            change (``tracemem.frontdoors.megatron_flag_changes``), else "".
     """
 
     change: str
@@ -53,6 +55,7 @@ class FitCandidate:
     worst_needed_bytes: int | None = None
     stages_over_hbm: list[int] = field(default_factory=list)
     fits: bool = False
+    megatron_change: str = ""  # the same change as Megatron-LM arguments (a Megatron job)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -83,7 +86,8 @@ def _candidates(job) -> list[tuple[str, dict[str, Any], str, str | None]]:
     for zero in sorted({par.zero + 1, 3}):
         if zero > par.zero:
             out.append((f"--zero {zero}", {"zero": zero}, "", None))
-    out.append((f"--ep {2 * par.ep}", {"ep": 2 * par.ep}, "", None))
+    if job.config.is_moe:  # a dense model has no experts to spread
+        out.append((f"--ep {2 * par.ep}", {"ep": 2 * par.ep}, "", None))
     pp, stages = 2 * par.pp, 2 * par.pp * par.vpp
     layers = job.config.num_layers
     if stages > layers:
@@ -140,19 +144,24 @@ def what_fits(base, *, progress: Callable[[str], None] | None = None,
         if skipped is not None:
             found.append(FitCandidate(flags, changes, note, skipped))
             continue
-        if progress:
-            progress(f"what would fit {index + 1}/{len(todo)}: {flags}")
+        megatron = ""
         try:
-            result = estimate(replace(base.job, **changes), trace_cache=trace_cache)
+            job = replace(base.job, **changes)  # validated: a change it refuses is skipped
+            if job.origin == "megatron":
+                from tracemem.frontdoors import megatron_flag_changes
+
+                megatron = megatron_flag_changes(changes, job=base.job)
+            result = estimate(job, trace_cache=trace_cache)
         except TracememError as error:
-            found.append(FitCandidate(flags, changes, note, str(error).splitlines()[0]))
+            found.append(FitCandidate(flags, changes, note, str(error).splitlines()[0],
+                                      megatron_change=megatron))
             continue
         # judged as the estimate judges --hbm: reserved peak + non-PyTorch memory (r.fits)
         verdict = get_verdict(result)
         over = verdict["stages_over_hbm"]
         found.append(FitCandidate(flags, changes, note, None, verdict["worst_peak_bytes"],
                                   verdict["worst_pp_stage"], verdict["worst_ep_rank"],
-                                  verdict["worst_needed_bytes"], over, not over))
+                                  verdict["worst_needed_bytes"], over, not over, megatron))
     tried = sorted((c for c in found if c.skipped is None),
                    key=lambda c: (not c.fits, c.worst_peak_bytes))
     return tried + [c for c in found if c.skipped is not None]

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     params = sub.add_parser(
         "params", help="count a model's parameters: total, activated per token, per component")
     _add_model_flag(params)
+    params.add_argument("--world-size", type=int, default=None,
+                        help="GPUs, for a Megatron-LM job (its launcher's; Megatron pads the "
+                             "vocabulary by TP)")
     params.add_argument("--json", action="store_true",
                         help="print JSON (element counts) instead of a table")
     _add_replace_flag(params)
@@ -278,6 +281,19 @@ def _add_kernel_flags(group, default: str = "megatron-te") -> None:
                        help="megatron-te: the Transformer Engine release whose cross-entropy "
                             "gradient to trace: 2.18 (and later) keeps an fp32 gradient, 2.17 "
                             "(and earlier) writes it into the bf16 logits (default 2.18)")
+    from modeling.kernels.loss import CROSS_ENTROPY_FUSIONS
+
+    group.add_argument("--cross-entropy-fusion", choices=CROSS_ENTROPY_FUSIONS, default=None,
+                       help="megatron-te: the loss kernel: te (TE's parallel cross entropy), "
+                            "native (Megatron's --cross-entropy-loss-fusion "
+                            "--cross-entropy-fusion-impl native) or none (Megatron's default: "
+                            "the unfused vocab_parallel_cross_entropy, fp32) (default te; "
+                            "docs/kernels.md)")
+    group.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion",
+                       action="store_false", default=None,
+                       help="megatron-te, --attention unfused / local: the softmax without its "
+                            "fused kernel (the torch fallback keeps an fp32 copy and its mask; "
+                            "Megatron's flag; TE reads NVTE_MASKED_SOFTMAX_FUSION)")
     group.add_argument("--no-moe-shared-expert-overlap", dest="shared_expert_overlap",
                        action="store_false", default=None,
                        help="megatron-te: shared experts without Megatron's "
@@ -288,7 +304,9 @@ def _add_kernel_flags(group, default: str = "megatron-te") -> None:
 def _kernel_options(args: argparse.Namespace) -> dict:
     """The set megatron-te options (unset ones keep the profile's defaults)."""
     options = {"te_version": args.te_version,
-               "moe_shared_expert_overlap": args.shared_expert_overlap}
+               "moe_shared_expert_overlap": args.shared_expert_overlap,
+               "cross_entropy_fusion": args.cross_entropy_fusion,
+               "masked_softmax_fusion": args.masked_softmax_fusion}
     return {key: value for key, value in options.items() if value is not None}
 
 
@@ -326,7 +344,8 @@ def _add_model_flag(parser: argparse.ArgumentParser) -> None:
 
 # Job fields set by a flag whose dest has another name
 _FIELD_DESTS = {"deallocate_pipeline_outputs": "deallocate",
-                "kernel_options": ("te_version", "shared_expert_overlap")}
+                "kernel_options": ("te_version", "shared_expert_overlap",
+                                   "cross_entropy_fusion", "masked_softmax_fusion")}
 
 
 def _flag_fields(args: argparse.Namespace) -> dict:
@@ -347,6 +366,10 @@ def _flag_fields(args: argparse.Namespace) -> dict:
             alloc_conf=args.alloc_conf,
             **({} if args.non_pytorch_memory is None else
                {"non_pytorch_memory": args.non_pytorch_memory}))
+    if hasattr(args, "space_tp"):  # tracemem fit: the settings every layout shares
+        fields.update(seq_length=args.seq_length, global_batch_size=args.global_batch_size,
+                      attention=args.attention, precision=args.precision,
+                      alloc_conf=args.alloc_conf, non_pytorch_memory=args.non_pytorch_memory)
     if hasattr(args, "tp"):
         fields.update(world_size=args.world_size, **_layout_kwargs(args))
     if hasattr(args, "kernels"):
@@ -390,8 +413,9 @@ def _megatron_job(args: argparse.Namespace, **fixed):
     if args.model is not None:
         raise TracememError("--model and a Megatron-LM job (--megatron-config / "
                             "--megatron-args) both describe the model; give one")
-    from tracemem.frontdoors.megatron import (
+    from tracemem.frontdoors import (
         expand_megatron_args,
+        megatron_approximations,
         megatron_args_from_yaml,
         megatron_job_kwargs,
     )
@@ -403,9 +427,13 @@ def _megatron_job(args: argparse.Namespace, **fixed):
         argv = argv + expand_megatron_args(args.megatron_args)
     kwargs = megatron_job_kwargs(argv, env=env, world_size=getattr(args, "world_size", None),
                                  vocab_size=args.vocab_size)
+    args.approximations = megatron_approximations(argv, env=env)
     overrides = _explicit(_flag_fields(args), args)
     overrides.pop("world_size", None)  # the launcher's, which Megatron does not take
-    args.overrides = sorted(overrides)
+    # say what replaced an argument of the job (tracemem's own settings, such as --hbm, are
+    # not overrides)
+    args.overrides = sorted(name for name, value in overrides.items()
+                            if name in kwargs and kwargs[name] != value)
     if "kernel_options" in overrides:
         overrides["kernel_options"] = dict(kwargs.get("kernel_options") or {}) | \
             overrides["kernel_options"]
@@ -558,7 +586,8 @@ def _run_params(args: argparse.Namespace) -> str:
     from modeling.common.model import build_model
     from modeling.params import count_activated, count_by_component, count_total
 
-    cfg = load_config(args.model)
+    job = _megatron_job(args)
+    cfg = job.config if job is not None else load_config(args.model)
     model = build_model(cfg, "meta", replace=args.replace)
     result = {
         "model": cfg.name,
@@ -616,7 +645,7 @@ def _run_estimate(args: argparse.Namespace) -> str:
         raise TracememError("--what-fits needs --hbm (e.g. --hbm 80GiB): the memory to fit in")
     job = job_from_args(args)
     if args.print_megatron_args:
-        from tracemem.frontdoors.megatron import to_megatron_args
+        from tracemem.frontdoors import to_megatron_args
 
         return _megatron_lines(to_megatron_args(job))
     progress = stderr_progress(args.quiet)
@@ -633,15 +662,21 @@ def _run_estimate(args: argparse.Namespace) -> str:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     if args.json:
         return format_estimate_json(result, fits)
-    return _override_note(args) + format_estimate(result, units=args.units, fits=fits)
+    return format_estimate(result, units=args.units, fits=fits)
 
 
 def _override_note(args: argparse.Namespace) -> str:
-    """A line saying which Megatron arguments tracemem's typed flags replaced, or ""."""
-    if not getattr(args, "overrides", None):
-        return ""
-    flags = ", ".join("--" + name.replace("_", "-") for name in args.overrides)
-    return f"tracemem's flags override the Megatron-LM job's: {flags}\n\n"
+    """Lines saying which Megatron arguments tracemem's typed flags replaced and which of the
+    job's arguments tracemem approximates, or ""."""
+    lines = []
+    if getattr(args, "overrides", None):
+        flags = ", ".join("--" + name.replace("_", "-") for name in args.overrides)
+        lines.append(f"tracemem's flags override the Megatron-LM job's: {flags}")
+    if getattr(args, "approximations", None):
+        lines.append("Approximated (Megatron-LM arguments that change memory by what tracemem "
+                     "does not trace):")
+        lines += [f"- {note}" for note in args.approximations]
+    return "\n".join(lines) + "\n\n" if lines else ""
 
 
 def _megatron_lines(arguments: list[str]) -> str:
@@ -685,8 +720,9 @@ def _add_fit_parser(sub) -> None:
     job = fit.add_argument_group("job")
     job.add_argument("--world-size", type=int, required=True, help="number of GPUs N")
     job.add_argument("--hbm", required=True, help="device memory per GPU, e.g. 80GiB")
-    job.add_argument("--seq-length", type=int, required=True, help="sequence length s")
-    job.add_argument("--global-batch-size", type=int, required=True,
+    job.add_argument("--seq-length", type=int, default=None,
+                     help="sequence length s (required unless a Megatron-LM job gives it)")
+    job.add_argument("--global-batch-size", type=int, default=None,
                      help="sequences per step G; M = G / (b x DP) must be an integer "
                           "(Megatron-LM's rule)")
     space = fit.add_argument_group(
@@ -759,15 +795,20 @@ def _run_fit(args: argparse.Namespace) -> str:
         show(f"fit: {p['done']}/{p['total']} layouts, traces {p['computed']} computed / "
              f"{p['reused']} reused{eta}")
 
-    result = fit(args.model, world_size=args.world_size, hbm=args.hbm,
-                 seq_length=args.seq_length, global_batch_size=args.global_batch_size,
-                 space=space, workers=args.workers, engine=args.engine, address=args.address,
-                 cache_dir=args.cache_dir, closest=args.closest,
-                 progress=progress if show else None, attention=args.attention,
-                 kernels=args.kernels, kernel_options=_kernel_options(args),
-                 precision=args.precision, alloc_conf=args.alloc_conf, origin="flags",
-                 **({} if args.non_pytorch_memory is None else
-                    {"non_pytorch_memory": args.non_pytorch_memory}))
+    run = dict(space=space, workers=args.workers, engine=args.engine, address=args.address,
+               cache_dir=args.cache_dir, closest=args.closest,
+               progress=progress if show else None)
+    job = _megatron_job(args, hbm=args.hbm)
+    if job is not None:  # the search's dimensions replace the job's own
+        result = fit(job, **run)
+    else:
+        result = fit(args.model, world_size=args.world_size, hbm=args.hbm,
+                     seq_length=args.seq_length, global_batch_size=args.global_batch_size,
+                     attention=args.attention, kernels=args.kernels,
+                     kernel_options=_kernel_options(args), precision=args.precision,
+                     alloc_conf=args.alloc_conf, origin="flags", **run,
+                     **({} if args.non_pytorch_memory is None else
+                        {"non_pytorch_memory": args.non_pytorch_memory}))
     if show:
         print("\r" + " " * 79 + "\r", end="", file=sys.stderr)
     if args.json:
@@ -782,15 +823,25 @@ def _run_fit(args: argparse.Namespace) -> str:
 def _run_inventory(args: argparse.Namespace) -> str:
     from tracemem.inventory import format_inventory, get_inventory
 
-    common = dict(world_size=args.world_size, micro_batch_size=args.micro_batch_size,
-                  seq_length=args.seq_length, part=args.part, replace=args.replace,
-                  **_layout_kwargs(args))
-    inventories = [get_inventory(args.model, kernels=args.kernels,
-                                 kernel_options=_kernel_options(args), **common)]
+    job = _megatron_job(args)
+    if job is not None:
+        model, options, kernels = job.config, dict(job.kernel_options), job.kernels
+        common = dict(world_size=job.world_size, micro_batch_size=job.micro_batch_size,
+                      seq_length=job.seq_length, part=args.part, replace=args.replace,
+                      attention=job.attention, experts=job.experts, **job.layout_fields())
+    else:
+        for flag in ("micro_batch_size", "seq_length"):
+            if getattr(args, flag) is None:
+                raise TracememError(f"give --{flag.replace('_', '-')}")
+        model, options, kernels = args.model, _kernel_options(args), args.kernels
+        common = dict(world_size=args.world_size, micro_batch_size=args.micro_batch_size,
+                      seq_length=args.seq_length, part=args.part, replace=args.replace,
+                      **_layout_kwargs(args))
+    inventories = [get_inventory(model, kernels=kernels, kernel_options=options, **common)]
     if args.compare:
-        options = _kernel_options(args) if args.compare == "megatron-te" else {}
-        inventories.append(get_inventory(args.model, kernels=args.compare,
-                                         kernel_options=options, **common))
+        other = options if args.compare == "megatron-te" else {}
+        inventories.append(get_inventory(model, kernels=args.compare, kernel_options=other,
+                                         **common))
     if args.json:
         return json.dumps([{"model": inv.model, "kernels": inv.kernels, "part": inv.part,
                             "settings": inv.settings, "total_bytes": inv.total_bytes,
@@ -869,9 +920,15 @@ def _run_static(args: argparse.Namespace) -> str:
     from tracemem.schedules import check_placement
     from tracemem.static import static_memory
 
-    cfg = load_config(args.model)
-    par = parallel_config_from_args(args, cfg)
-    where = check_placement(args.schedule, par.pp, par.vpp)
+    job = _megatron_job(args)
+    if job is not None:
+        cfg, par = job.config, job.parallel
+        schedule = args.schedule if "schedule" in args.given else job.schedule
+    else:
+        cfg = load_config(args.model)
+        par = parallel_config_from_args(args, cfg)
+        schedule = args.schedule
+    where = check_placement(schedule, par.pp, par.vpp)
     stages = []
     for stage in range(par.pp):
         rank = stage * (par.world_size // par.pp)  # TP, DP and EP ranks are alike here
@@ -891,7 +948,7 @@ def _run_static(args: argparse.Namespace) -> str:
                                           "plan")}
     layout["pp_layout"] = list(par.pp_layout)
     layout["precision_spec"] = par.precision_spec.as_dict()
-    layout["schedule"] = args.schedule
+    layout["schedule"] = schedule
     if args.json:
         return json.dumps({"model": cfg.name, "parallel": layout, "stages": stages}, indent=2)
     units = (pick_units(max(s["total_bytes"] for s in stages)) if args.units == "auto"
@@ -1007,6 +1064,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TracememError as error:
         print(f"tracemem: error: {error}".splitlines()[0], file=sys.stderr)
         return 2
+    if not (getattr(args, "json", False) or getattr(args, "print_megatron_args", False)):
+        out = _override_note(args) + out
     print(out)
     if args.command == "demo":  # the deprecated alias of toy
         print("tracemem: note: 'tracemem demo' is now 'tracemem toy' (this small built-in "

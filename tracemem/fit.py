@@ -347,7 +347,7 @@ class FitResult:
     workers: int
     engine: str
     settings: dict = field(default_factory=dict)
-    job: Any = None  # the base Job every layout replaces fields of
+    job: Any = None  # the Job given (else the first layout's): what the answers refer to
 
     @property
     def fitting(self) -> list[FitRow]:
@@ -638,7 +638,8 @@ def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
     rest = [r for r in screened_rows if not r.fits]
     return FitResult(cfg.name, world_size, base.hbm_bytes, seq_length, global_batch_size,
                      fitting + rest, exact, rejected, counts, time.perf_counter() - start,
-                     1 if engine == "ray" else runner.workers, engine, base.settings(), base)
+                     1 if engine == "ray" else runner.workers, engine, base.settings(),
+                     model if isinstance(model, Job) else base)
 
 
 _DIMENSIONS = {"tp": int, "sp": "onoff", "cp": int, "ep": int, "etp": int, "pp": int,
@@ -733,9 +734,16 @@ def format_fit(result: FitResult, top: int = 20) -> str:
                               headers=["#"] + _HEAD + ["headroom GiB", "cost", "bubble",
                                                        "recompute", "comm GiB/step"],
                               disable_numparse=True))
-        lines.append(f"best: tracemem estimate --model {result.model} --world-size "
-                     f"{result.world_size} --seq-length {result.seq_length} "
-                     f"{shown[0].flags} --hbm {result.hbm_bytes / 2**30:g}GiB")
+        if result.job is not None and result.job.origin == "megatron":
+            from tracemem.frontdoors import megatron_flag_changes
+
+            lines.append("best, as changes to the Megatron-LM arguments: " + (
+                megatron_flag_changes(shown[0].layout.job_fields(), job=result.job)
+                or "none"))
+        else:
+            lines.append(f"best: tracemem estimate --model {result.model} --world-size "
+                         f"{result.world_size} --seq-length {result.seq_length} "
+                         f"{shown[0].flags} --hbm {result.hbm_bytes / 2**30:g}GiB")
     else:
         lines.append(f"No layout in the search space fits in {hbm} GiB.")
     if result.closest:

@@ -18,9 +18,10 @@ size times data parallel size"). ``microbatches`` and ``global_batch`` are the d
 
 Vocabulary: with ``make_vocab_size_divisible_by`` (Megatron's flag; None for a Hugging Face
 config, whose vocabulary is already the checkpoint's) the model's vocabulary is padded to a
-multiple of that times TP (Megatron-LM ``megatron/training/tokenizer/tokenizer.py``
-``_vocab_size_with_padding``: ``multiple = make_vocab_size_divisible_by *
-tensor_model_parallel_size``, rounded up); ``config`` is the model so padded.
+multiple of that times TP (Megatron-LM d98e8a6 ``megatron/core/tokenizers/utils/
+build_tokenizer.py`` ``vocab_size_with_padding``, used by ``megatron/training/vocab_utils.py``:
+``multiple = make_vocab_size_divisible_by * tensor_model_parallel_size``, rounded up);
+``config`` is the model so padded.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
 
 def padded_vocab_size(vocab_size: int, divisible_by: int | None, tp: int) -> int:
     """Megatron's padded vocabulary: ``vocab_size`` rounded up to a multiple of
-    ``divisible_by * tp`` (``_vocab_size_with_padding``, module docstring); unchanged when
+    ``divisible_by * tp`` (``vocab_size_with_padding``, module docstring); unchanged when
     ``divisible_by`` is None."""
     if divisible_by is None:
         return vocab_size
@@ -395,6 +396,11 @@ class Job:
         ``create``: a new, validated job."""
         check_fields(changes)
         return replace(self, **changes)
+
+    def layout_fields(self) -> dict[str, Any]:
+        """The ``ParallelConfig.create`` keywords of this job (all but the model and the world
+        size)."""
+        return {name: getattr(self, name) for name in _LAYOUT_FIELDS}
 
     def settings(self) -> dict[str, Any]:
         """The step's settings as plain data (the ``settings`` of an estimate's JSON)."""

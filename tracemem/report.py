@@ -411,15 +411,20 @@ def format_fits(fits: Sequence[Any], result, units: str = "GiB") -> str:
     lead = (f"What would fit in {hbm}: each line changes one setting and re-estimates every "
             f"stage ({fitting} of {len(tried)} fit"
             + ("" if fitting else "; no single change is enough") + "):")
+    megatron = any(c.megatron_change for c in tried)  # the job came as Megatron arguments
     rows = [[c.change, format_size(c.worst_peak_bytes, units), c.worst_pp_stage,
              format_size(c.worst_needed_bytes, units), len(c.stages_over_hbm),
-             "yes" if c.fits else "NO"] for c in tried]
+             "yes" if c.fits else "NO"] + ([c.megatron_change] if megatron else [])
+            for c in tried]
     lines = [lead]
     if rows:
         table = tabulate(rows, headers=["change", f"worst peak {units}", "at stage",
-                                        f"needs {units}", f"stages over {hbm}", "fits"],
+                                        f"needs {units}", f"stages over {hbm}", "fits"]
+                         + (["as Megatron-LM arguments"] if megatron else []),
                          disable_numparse=True, colalign=("left", "right", "right", "right",
-                                                          "right", "right"))
+                                                          "right", "right")
+                         + (("left",) if megatron else ()),
+                         maxcolwidths=[None] * 6 + ([60] if megatron else []))
         lines.append(table)
     notes = sorted({c.note for c in tried if c.note})
     lines += [f"({note})" for note in notes]

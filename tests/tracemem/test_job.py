@@ -3,7 +3,7 @@
 
 References: Megatron-LM ``megatron/core/num_microbatches_calculator.py``
 (``ConstantNumMicroBatchesCalculator``: M = G / (b x DP), an integer) and
-``megatron/training/tokenizer/tokenizer.py`` (``_vocab_size_with_padding``: the vocabulary
+``megatron/core/tokenizers/utils/build_tokenizer.py`` at d98e8a6 (``vocab_size_with_padding``: the vocabulary
 rounded up to a multiple of make_vocab_size_divisible_by x TP); the expected values are hand
 arithmetic in each test.
 """
