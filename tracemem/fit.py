@@ -249,11 +249,12 @@ def enumerate_layouts(cfg, world_size: int, seq_length: int, global_batch_size: 
                                             continue
                                         layouts += _jobs(par, first, last, seq_length,
                                                          global_batch_size, space, reject,
-                                                         check_job)
+                                                         check_job, cfg.is_moe)
     return layouts, rejected
 
 
-def _jobs(par, first, last, seq_length, global_batch_size, space, reject, check_job):
+def _jobs(par, first, last, seq_length, global_batch_size, space, reject, check_job,
+          moe=False):
     out = []
     for b in space.micro_batch_size:
         if global_batch_size % (b * par.dp):
@@ -265,7 +266,8 @@ def _jobs(par, first, last, seq_length, global_batch_size, space, reject, check_
             for name in space.schedule:
                 try:
                     check_job(par, micro_batch_size=b, seq_length=seq_length,
-                              num_microbatches=m, schedule=name, recompute=recompute)
+                              num_microbatches=m, schedule=name, recompute=recompute,
+                              moe=moe)
                 except TracememError as error:
                     reject(_reason(error))
                     continue

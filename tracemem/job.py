@@ -98,12 +98,13 @@ def _positive(flag: str, value: Any) -> None:
 
 
 def check_job(par, *, micro_batch_size: int, seq_length: int, num_microbatches: int,
-              schedule: str, recompute: str):
+              schedule: str, recompute: str, moe: bool = False):
     """The checks of a job beyond its layout (``ParallelConfig.create``), which ``Job`` runs
     and ``tracemem fit`` uses to enumerate valid layouts: b, s and M positive and bounded,
     SP with TP and EP (Megatron-Core's ``ModelParallelConfig``), s divisible by CP x SP, the
     schedule's own rules (``tracemem.schedules.schedule``) and what its W steps do not yet
-    trace. Returns the schedule's steps per rank.
+    trace, and for an MoE model (``moe``) Megatron-Core's refusal of TP without SP. Returns the
+    schedule's steps per rank.
 
     Raises:
         TracememError: the first check that fails, naming the flag, the value and a fix.
@@ -125,6 +126,12 @@ def check_job(par, *, micro_batch_size: int, seq_length: int, num_microbatches: 
         raise TracememError("--tp > 1 with --ep > 1 needs --sp (Megatron-Core's "
                             "ModelParallelConfig: with expert and tensor parallelism, sequence "
                             "parallelism must be used)")
+    if par.tp > 1 and moe and not par.sp:
+        raise TracememError("--tp > 1 on an MoE model needs --sp (Megatron-Core d98e8a6 "
+                            "megatron/core/transformer/moe/moe_layer.py MoELayer.forward: "
+                            "\"During training, performance may degrade if MoE and tensor "
+                            "parallelism are enabled without also enabling sequence "
+                            "parallelism\", a ValueError)")
     split = par.cp * (par.tp if par.sp else 1)
     if seq_length % split:
         raise TracememError(f"--seq-length {seq_length} must be a multiple of cp * sp = "
@@ -329,7 +336,8 @@ class Job:
         put(self, "global_batch", self.micro_batch_size * m * par.dp)
         put(self, "steps", check_job(par, micro_batch_size=self.micro_batch_size,
                                      seq_length=self.seq_length, num_microbatches=m,
-                                     schedule=self.schedule, recompute=self.recompute))
+                                     schedule=self.schedule, recompute=self.recompute,
+                                     moe=config.is_moe))
         _positive("--max-ep-classes", self.max_ep_classes)
         rounding = self.rounding
         if rounding is not None and (isinstance(rounding, bool) or not isinstance(rounding, int)

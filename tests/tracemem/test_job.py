@@ -44,6 +44,10 @@ def test_microbatches_from_the_global_batch():
      r"DP 4\) = 2; give one"),
     ({"num_microbatches": 1, "tp": 3}, r"--world-size 4 is not a multiple of tp\(3\)"),
     ({"num_microbatches": 1, "recompute": "some"}, r"--recompute 'some' is invalid"),
+    # Megatron-Core's own refusal, with its reason (moe_layer.py MoELayer.forward)
+    ({"num_microbatches": 1, "tp": 2}, r"--tp > 1 on an MoE model needs --sp \(Megatron-Core "
+                                       r"d98e8a6 megatron/core/transformer/moe/moe_layer.py "
+                                       r"MoELayer.forward"),
 ])
 def test_a_bad_job_is_one_line(fields, message):
     with pytest.raises(TracememError, match=message):
