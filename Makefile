@@ -29,6 +29,7 @@ test: $(STAMP)
 
 validate: $(STAMP)
 	$(BIN)/tracemem validate
+	$(BIN)/tracemem validate --against megatron-ci
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/tracer_overhead.py

@@ -249,11 +249,22 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--case", action="append", choices=[c.name for c in CASES],
                           help="a case to run (repeatable; default: all)")
     validate.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
-    validate.add_argument("--against", choices=["cpu", "megatron-core"], default="cpu",
+    validate.add_argument("--against", choices=["cpu", "megatron-core", "megatron-ci"],
+                          default="cpu",
                           help="cpu (default): the cases above, real CPU runs; megatron-core: "
                                "Megatron-Core's own GPTModel with tracemem's megatron-te "
                                "leaves on meta under a fake process group, per layer against "
-                               "tracemem's build_rank (needs pip install 'tracemem[megatron]')")
+                               "tracemem's build_rank (needs pip install 'tracemem[megatron]'); "
+                               "megatron-ci: Megatron-LM's measured CI runs (the scoreboard, "
+                               "docs/validation.md), each job through the Megatron-LM front "
+                               "door, the logged rank's max_memory_allocated against the "
+                               "golden value at iteration 2")
+    validate.add_argument("--ci-case", action="append", default=None, metavar="NAME",
+                          help="--against megatron-ci: a case to score, by name or a part of "
+                               "it (repeatable; default: every selected case)")
+    validate.add_argument("--left-out", action="store_true",
+                          help="--against megatron-ci: list every golden file left out and "
+                               "what stops it, instead of scoring")
     return parser
 
 
@@ -985,6 +996,10 @@ def _span(layers: list[int]) -> str:
 def _run_validate(args: argparse.Namespace) -> str:
     if args.against == "megatron-core":
         return _run_validate_megatron(args)
+    if args.against == "megatron-ci":
+        return _run_validate_ci(args)
+    if args.ci_case or args.left_out:
+        raise TracememError("--ci-case and --left-out apply to --against megatron-ci")
     from tracemem.validation import compare_case, get_case
     from tracemem.validation.cases import CASES
     from modeling.kernels import KERNEL_PROFILES
@@ -1011,6 +1026,45 @@ def _run_validate(args: argparse.Namespace) -> str:
               f"{c.case.unseen_cause_later}" for c in comparisons if c.case.unseen_cause_later]
     heading = ["", "Allocations below the dispatcher, by case:"] if notes else []
     return "\n".join([format_comparisons(comparisons), *heading, *notes])
+
+
+def _run_validate_ci(args: argparse.Namespace) -> str:
+    """The megatron-ci scoreboard (``tracemem.validation.megatron_ci_board``)."""
+    from dataclasses import asdict
+
+    from tracemem.estimator import stderr_progress
+    from tracemem.validation.megatron_ci import selection
+    from tracemem.validation.megatron_ci_board import format_board, score_cases, summary
+
+    if args.case:
+        raise TracememError("--case names a CPU case; --against megatron-ci takes --ci-case "
+                            "NAME")
+    scored, left_out = selection()
+    if args.left_out:
+        if args.json:
+            return json.dumps([{"case": c.name, "reason": why} for c, why in left_out],
+                              indent=2)
+        return "\n".join(f"{c.name}: {why}" for c, why in left_out)
+    if args.ci_case:
+        wanted = [c for c in scored if any(part in c.name for part in args.ci_case)]
+        if not wanted:
+            names = {c.name for c, _ in left_out}
+            out = [p for p in args.ci_case if any(p in n for n in names)]
+            raise TracememError(
+                f"--ci-case {args.ci_case[0]!r} names no scored case" + (
+                    " (it is left out: see --left-out)" if out else
+                    "; see --left-out and docs/validation.md for the case names"))
+        scored = wanted
+    progress = stderr_progress(False)
+    rows, failed = score_cases(scored, progress)
+    if progress:
+        print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    if args.json:
+        return json.dumps({"summary": summary(rows),
+                           "cases": [asdict(r) | {"error": r.error} for r in rows],
+                           "failed": [{"case": c.name, "reason": why} for c, why in failed]},
+                          indent=2)
+    return format_board(rows, [] if args.ci_case else left_out, failed)
 
 
 def _run_validate_megatron(args: argparse.Namespace) -> str:
@@ -1066,7 +1120,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not (getattr(args, "json", False) or getattr(args, "print_megatron_args", False)):
         out = _override_note(args) + out
-    print(out)
+    try:
+        print(out)
+    except BrokenPipeError:  # `tracemem ... | head`: the reader left; not an error of ours
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     if args.command == "demo":  # the deprecated alias of toy
         print("tracemem: note: 'tracemem demo' is now 'tracemem toy' (this small built-in "
               "transformer); 'make demo' runs 'tracemem estimate' on DeepSeek-V3. The 'demo' "

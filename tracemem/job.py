@@ -36,7 +36,7 @@ from tracemem.errors import TracememError
 
 __all__ = ["Job", "parse_bytes", "check_job", "NON_PYTORCH_MEMORY_DEFAULT", "MAX_TOKENS",
            "MAX_MICROBATCHES", "MAX_HBM_BYTES", "MAX_EP_CLASSES", "RENAMED", "job_fields",
-           "padded_vocab_size", "check_fields"]
+           "padded_vocab_size", "check_fields", "GPUS"]
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
@@ -171,6 +171,9 @@ _LAYOUT_FIELDS = ("tp", "sp", "cp", "ep", "etp", "pp", "vpp", "pp_layout",
                   "exp_avg_dtype", "exp_avg_sq_dtype", "grad_reduce_in_bf16",
                   "store_param_remainders", "gradient_accumulation_fusion")
 ORIGINS = ("python", "flags", "megatron")
+# GPU kinds by name -> CUDA compute capability (NVIDIA's CUDA GPUs table)
+GPUS = {"A100": (8, 0), "H100": (9, 0), "H200": (9, 0), "H800": (9, 0), "B200": (10, 0),
+        "GB200": (10, 0)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +212,9 @@ class Job:
             alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` string for the simulated allocator.
         replace: the user's own layers (``modeling.common.custom.resolve_replacements``).
         make_vocab_size_divisible_by: Megatron's vocabulary padding (module docstring).
+        gpu: the GPU kind (``GPUS``), what the allocations below the dispatcher depend on
+            (``tracemem.workspaces``: cuBLAS workspaces per architecture); None counts none
+            of them.
         origin: the front door that built the job ("python", "flags", "megatron");
             megatron_args: the Megatron-LM arguments as given (origin "megatron"), so answers
             can be printed in them.
@@ -277,6 +283,7 @@ class Job:
     alloc_conf: str | None = None
     replace: Any = None
     make_vocab_size_divisible_by: int | None = None
+    gpu: str | None = None
     # where it came from
     origin: str = "python"
     megatron_args: tuple[str, ...] = ()
@@ -366,6 +373,9 @@ class Job:
         put(self, "routing_model", parse_routing(self.routing, self.seed))
         put(self, "replacements", resolve_replacements(self.replace))
         put(self, "megatron_args", tuple(self.megatron_args))
+        if self.gpu is not None and self.gpu not in GPUS:
+            raise TracememError(f"--gpu {self.gpu!r} is invalid; choose one of "
+                                f"{', '.join(GPUS)}")
 
     def _microbatches(self, par) -> int:
         """M from ``num_microbatches`` or ``global_batch_size`` (module docstring)."""
@@ -429,7 +439,7 @@ class Job:
                 "optimizer": self.optimizer,
                 "replace": {kind: getattr(f, "__qualname__", repr(f))
                             for kind, f in self.replacements.items()},
-                "vocab_size": self.config.vocab_size, "origin": self.origin}
+                "vocab_size": self.config.vocab_size, "origin": self.origin, "gpu": self.gpu}
 
 
 def job_fields() -> tuple[str, ...]:

@@ -1,0 +1,58 @@
+"""The megatron-ci scoreboard end to end on one case, and its summary by hand (issue 21 items 1,
+5).
+
+References: the measured value is the golden file's, written here literally (Megatron-LM
+tests/functional_tests/test_cases/gpt/gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset/
+golden_values_dev_dgx_h100.json, iteration 2, as collected into tracemem/validation/
+megatron_ci/); the board's shortcut (only the logged rank's class traced) is held against the
+full estimate of the same Job; the summary against hand arithmetic.
+"""
+
+import pytest
+
+from tracemem.cli import main
+from tracemem.estimator import estimate
+from tracemem.job import Job
+from tracemem.validation.megatron_ci import case_job_kwargs, selection
+from tracemem.validation.megatron_ci_board import BoardRow, score_case, summary
+
+CASE = "gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset@dev_dgx_h100"
+
+
+@pytest.fixture(scope="module")
+def case():
+    scored, _ = selection()
+    return next(c for c in scored if c.name == CASE)
+
+
+def test_one_case_end_to_end(case):
+    row = score_case(case)
+    assert (row.measured_iteration, row.measured_bytes) == (2, 4_702_430_720)
+    assert (row.world_size, row.pp_stage, row.rank) == (8, 0, 7)  # PP 1: global rank 7
+    # the logged rank alone, as the full estimate of the same job gives it
+    full = estimate(Job(**case_job_kwargs(case), gpu=case.gpu))
+    assert row.tracemem_bytes == full.ranks[-1].allocated_peak_bytes
+    assert row.error == row.tracemem_bytes / 4_702_430_720 - 1
+
+
+def _row(measured, traced):
+    return BoardRow("x", "H100", 8, 2, measured, traced, traced, 0, 7, ())
+
+
+def test_summary_by_hand():
+    rows = [_row(100, 99), _row(100, 103), _row(100, 90), _row(200, 200)]
+    s = summary(rows)
+    # |errors| 0.01, 0.03, 0.10, 0: median (0.01 + 0.03) / 2; the 90th percentile by nearest
+    # rank is the ceil(0.9 x 4) = 4th smallest, 0.10, which is also the worst
+    assert s["cases"] == 4 and s["median_abs_error"] == pytest.approx(0.02)
+    assert s["p90_abs_error"] == pytest.approx(0.10) and s["worst_abs_error"] == pytest.approx(0.10)
+    assert (s["within_5pct"], s["within_2pct"]) == (3, 2)
+    assert s["mean_error"] == pytest.approx((-0.01 + 0.03 - 0.10 + 0) / 4)
+
+
+def test_the_command(capsys):
+    assert main(["validate", "--against", "megatron-ci", "--ci-case", CASE]) == 0
+    out = capsys.readouterr().out
+    assert CASE in out and "4,702,430,720" in out and "Summary: 1 cases" in out
+    assert main(["validate", "--against", "megatron-ci", "--ci-case", "no-such-case"]) == 2
+    assert "names no scored case" in capsys.readouterr().err

@@ -1,0 +1,152 @@
+"""``tracemem validate --against megatron-ci``: tracemem against Megatron-LM's measured CI runs.
+
+Each selected case (``tracemem.validation.megatron_ci.selection``: a golden file whose job the
+Megatron-LM front door expresses) is built into a ``Job`` through that front door, unchanged
+(``case_job_kwargs``), and only the logged rank is estimated: global rank ``world_size - 1``
+(``megatron_ci``'s module docstring: Megatron-LM's ``_set_tensorboard_writer``), which is the
+last pipeline stage and the last EP rank. Its rank class is found among the job's
+(``tracemem.estimator.rank_classes``), traced, replayed through the schedule and through the
+simulated caching allocator (``allocator_row``); the figure held against the measured
+``mem-max-allocated-bytes`` (``allocated_bytes.all.peak``) is the simulated
+``max_memory_allocated`` of the whole step, optimizer step included (``allocated_peak_bytes``).
+
+Scored at iteration 2 (or the first logged iteration after 1): the peak since the process
+started, so it covers iteration 1 (whose optimizer step makes Adam's moments) and iteration 2
+(the first with them present from the start). tracemem's step has them from the start.
+
+The residue of a case is what tracemem knows it does not trace for that job
+(``megatron_approximations``: the front door's stated approximations), and the rest,
+unexplained. Nothing here is tuned to a measured value.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tracemem.errors import TracememError
+
+__all__ = ["BoardRow", "score_case", "score_cases", "summary", "format_board"]
+
+
+@dataclass(frozen=True)
+class BoardRow:
+    """One scored case: ``measured_bytes`` (the golden file's, at ``measured_iteration``),
+    ``tracemem_bytes`` (the logged rank's simulated ``max_memory_allocated``), ``error``
+    (tracemem / measured - 1), ``peak_bytes`` (the replayed peak, before the allocator's
+    block rounding), the logged rank's ``pp_stage`` and ``rank``, and ``approximations`` (the
+    front door's stated approximations for the job: known, untraced residue)."""
+
+    name: str
+    gpu: str | None
+    world_size: int
+    measured_iteration: int
+    measured_bytes: int
+    tracemem_bytes: int
+    peak_bytes: int
+    pp_stage: int
+    rank: int
+    approximations: tuple[str, ...]
+
+    @property
+    def error(self) -> float:
+        return self.tracemem_bytes / self.measured_bytes - 1
+
+
+def _logged_class(job):
+    """The rank class of global rank world_size - 1 (the last stage, the last EP rank)."""
+    from tracemem.estimator import rank_classes
+
+    par = job.parallel
+    last_ep = par.ep - 1
+    for unit in rank_classes(job):
+        if unit.stage == par.pp - 1 and last_ep in unit.ep_ranks:
+            return unit
+    raise AssertionError("no rank class holds the last rank")  # every EP rank is in one
+
+
+def score_case(case) -> BoardRow:
+    """Estimate ``case``'s logged rank (the module docstring).
+
+    Raises:
+        TracememError: the front door refuses the case (``case_job_kwargs``).
+    """
+    from tracemem.estimator import TraceCache, allocator_row, replay_class, trace_classes
+    from tracemem.frontdoors import megatron_approximations
+    from tracemem.job import Job
+    from tracemem.validation.megatron_ci import case_job_kwargs
+
+    job = Job(**case_job_kwargs(case), gpu=case.gpu)
+    unit = _logged_class(job)
+    (traced,) = trace_classes(job, [unit], TraceCache())
+    replay_class(job, traced)
+    row = allocator_row(job, traced)
+    notes = tuple(megatron_approximations(case.argv,
+                                          env=dict(case.env_vars)))
+    return BoardRow(case.name, case.gpu, case.world_size, case.measured_iteration,
+                    case.measured_bytes, row.allocated_peak_bytes, row.peak_bytes,
+                    unit.stage, job.world_size - 1, notes)
+
+
+def score_cases(cases, progress: Callable[[str], None] | None = None
+                ) -> tuple[list[BoardRow], list[tuple[object, str]]]:
+    """Every case scored, and those that could not be (with the one-line reason)."""
+    rows, failed = [], []
+    for index, case in enumerate(cases):
+        if progress:
+            progress(f"megatron-ci: {index + 1}/{len(cases)} {case.name}")
+        try:
+            rows.append(score_case(case))
+        except TracememError as error:
+            failed.append((case, str(error).splitlines()[0]))
+    return rows, failed
+
+
+def summary(rows: list[BoardRow]) -> dict:
+    """Cases, median |error|, 90th percentile |error| (nearest rank), worst |error|, and how
+    many are within 5 % and 2 %."""
+    if not rows:
+        return {"cases": 0}
+    errors = sorted(abs(r.error) for r in rows)
+    p90 = errors[min(len(errors) - 1, max(0, -(-9 * len(errors) // 10) - 1))]
+    return {"cases": len(rows), "median_abs_error": statistics.median(errors),
+            "p90_abs_error": p90, "worst_abs_error": errors[-1],
+            "within_5pct": sum(e <= 0.05 for e in errors),
+            "within_2pct": sum(e <= 0.02 for e in errors),
+            "mean_error": statistics.fmean(r.error for r in rows)}
+
+
+def format_board(rows: list[BoardRow], left_out: list[tuple[object, str]],
+                 failed: list[tuple[object, str]]) -> str:
+    """The board (one row per case, bytes and GiB), the summary line, and the counts of the
+    cases left out by reason."""
+    from tabulate import tabulate
+
+    gib = 2**30
+    table = [[r.name, r.gpu or "-", r.world_size, r.measured_iteration,
+              f"{r.measured_bytes:,}", f"{r.measured_bytes / gib:.3f}",
+              f"{r.tracemem_bytes:,}", f"{r.tracemem_bytes / gib:.3f}", f"{r.error:+.1%}",
+              len(r.approximations)] for r in sorted(rows, key=lambda r: r.name)]
+    lines = [tabulate(table, headers=["case", "GPU", "GPUs", "iter", "measured B",
+                                      "GiB", "tracemem B", "GiB", "error",
+                                      "approximations"],
+                      disable_numparse=True,
+                      colalign=("left", "left", "right", "right", "right", "right", "right",
+                                "right", "right", "right"))]
+    s = summary(rows)
+    if s["cases"]:
+        lines += ["", f"Summary: {s['cases']} cases; median |error| "
+                      f"{s['median_abs_error']:.1%}, 90th percentile {s['p90_abs_error']:.1%}, "
+                      f"worst {s['worst_abs_error']:.1%}; within 5 %: {s['within_5pct']}, "
+                      f"within 2 %: {s['within_2pct']}; mean error {s['mean_error']:+.1%} "
+                      f"(tracemem / measured - 1; GiB = 2^30 B)"]
+    reasons: dict[str, int] = {}
+    for _, why in left_out + failed:
+        reasons[why] = reasons.get(why, 0) + 1
+    if reasons:
+        lines += ["", f"Left out: {len(left_out) + len(failed)} golden files, by reason "
+                      f"(the first 15):"]
+        lines += [f"- {n} x {why}" for why, n in sorted(reasons.items(),
+                                                        key=lambda kv: -kv[1])[:15]]
+    return "\n".join(lines)
