@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     from modeling.common.attention.mla import ATTENTION_KERNELS
     from modeling.common.moe import EXPERT_KERNELS
     from tracemem.examples import DTYPES, ToyConfig
+    from tracemem.job import GPUS
     from tracemem.schedules import SCHEDULES
     from tracemem.validation.cases import CASES
     from modeling.kernels import KERNEL_PROFILES
@@ -157,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--hbm", default=None,
                       help="device memory per GPU, e.g. 80GiB, to say whether each rank fits "
                            "(write --hbm=VALUE for a value starting with -)")
+    step.add_argument("--gpu", choices=sorted(GPUS), default=None,
+                      help="the GPU kind: counts the allocations below the dispatcher that "
+                           "depend on it (cuBLAS workspaces per architecture, TE's dummy "
+                           "weight gradients, Megatron's global memory buffer, RoPE's cache: "
+                           "tracemem/workspaces.py); default: none counted")
     step.add_argument("--optimizer", default="fused",
                       help="the optimizer step's Adam: fused (Megatron's TE / apex FusedAdam, no "
                            "temporaries) or torch (torch.optim.Adam, foreach, traced) (default "
@@ -374,7 +380,7 @@ def _flag_fields(args: argparse.Namespace) -> dict:
             max_ep_classes=args.max_ep_classes, rounding=args.rounding,
             deallocate_pipeline_outputs=args.deallocate, hbm=args.hbm,
             zero3_prefetch=args.zero3_prefetch, optimizer=args.optimizer,
-            alloc_conf=args.alloc_conf,
+            alloc_conf=args.alloc_conf, gpu=args.gpu,
             **({} if args.non_pytorch_memory is None else
                {"non_pytorch_memory": args.non_pytorch_memory}))
     if hasattr(args, "space_tp"):  # tracemem fit: the settings every layout shares

@@ -23,7 +23,10 @@ Conventions, each a line item:
 - The whole iteration: after the schedule's last step the optimizer step is replayed as step
   "O" (``tracemem.optimizer_step``: the distributed optimizer's fp32 gradient copies, the Adam
   kernel's temporaries); ``RankEstimate.peak_phase`` says which phase holds the peak.
-- Not modelled: NCCL and kernel workspaces, the caching allocator beyond block rounding.
+- Below the dispatcher: with ``Job.gpu``, the workspaces a rank keeps (``tracemem.workspaces``:
+  cuBLAS workspaces, TE's dummy weight gradients, Megatron's global memory buffer, RoPE's
+  cache) are static blocks from the start of the step (``RankEstimate.workspace_bytes``);
+  without a GPU none is counted. NCCL's own buffers are outside PyTorch's allocator.
 """
 
 from __future__ import annotations
@@ -137,6 +140,7 @@ class RankEstimate:
     memory: MemoryTimeline | None = field(default=None, repr=False)
     peak_phase: str | None = None
     ep_ranks: tuple[int, ...] = ()
+    workspace_bytes: int = 0  # below the dispatcher (tracemem.workspaces; 0 without a GPU)
 
     def dominant(self) -> tuple[str, int]:
         """The largest line item at the peak."""
@@ -710,10 +714,25 @@ def trace_key(job: Job) -> tuple | None:
 
 def step_key(job: Job) -> tuple:
     """What the static memory and the optimizer step depend on (``TraceCache``'s second
-    key): the ZeRO stage, the shards, the precision recipe and the optimizer."""
+    key): the ZeRO stage, the shards, the precision recipe, the optimizer, and the GPU (the
+    workspaces below the dispatcher, ``tracemem.workspaces``)."""
     par = job.parallel
     return (par.zero, tuple(par.shards(r.quantity, r.kind) for r in SHARDING),
-            repr(par.precision_spec), job.optimizer)
+            repr(par.precision_spec), job.optimizer, job.gpu)
+
+
+def _finish(job: Job, model, tracer: MemoryTracer, fb: Segments) -> tuple[StaticMemory,
+                                                                          Segments]:
+    """``_trace_step``, then the rank's workspaces below the dispatcher
+    (``tracemem.workspaces``: none without ``job.gpu``) in its static memory."""
+    from dataclasses import replace
+
+    from tracemem.workspaces import workspaces
+
+    static, segments = _trace_step(model, tracer, job.parallel, job.optimizer, fb)
+    kept = workspaces(model, gpu=job.gpu, kernels=job.profile, recompute=job.recompute,
+                      micro_batch_size=job.micro_batch_size, seq_length=job.seq_length)
+    return replace(static, workspaces=tuple(kept)), segments
 
 
 def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
@@ -741,8 +760,7 @@ def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
                 zero3_prefetch=job.zero3_prefetch, kernels=job.profile, where=where,
                 kinds=unit.kinds, replace=job.replacements)
         static, segments = cache.get((key, unit.signature, unit.chunks), step, trace,
-                                     lambda model, tracer, fb: _trace_step(
-                                         model, tracer, par, job.optimizer, fb))
+                                     lambda model, tracer, fb: _finish(job, model, tracer, fb))
         steps = job.steps[unit.stage]
         # the optimizer step after the schedule's last step, on the traced "O" segment
         first = next(s for s in steps if where.chunk_index(unit.stage, s.stage) == 0)
@@ -754,9 +772,10 @@ def replay_class(job: Job, traced: TracedClass) -> ReplayPeak:
     """The class's schedule replayed over its segments on top of its static memory
     (``replay_schedule``; ZeRO-3 gathers are traced events, not the static line item)."""
     stage, where = traced.unit.stage, _placement(job)
+    static = traced.static
     traced.replayed = replay_schedule(
         traced.steps, job.parallel.pp, traced.segments,
-        traced.static.total_bytes - traced.static.zero3_gather_bytes,
+        static.total_bytes - static.zero3_gather_bytes + static.workspace_bytes,
         lambda v: where.chunk_index(stage, v))
     return traced.replayed
 
@@ -779,6 +798,7 @@ def _row_fields(traced: TracedClass) -> dict:
         comm_buffer_bytes=live.get("comm_buffer", 0),
         temporary_bytes=live.get("temporary", 0), input_bytes=live.get("input", 0),
         zero3_gather_bytes=live.get("parameter", 0), static=static,
+        workspace_bytes=static.workspace_bytes,
         ep_ranks=unit.ep_ranks if unit.ep_rank is not None else ())
 
 
@@ -802,7 +822,10 @@ def allocator_row(job: Job, traced: TracedClass, snapshot_dir: Path | None = Non
         replay_events(traced.steps, job.parallel.pp, traced.segments,
                       lambda v: where.chunk_index(stage, v)), traced.steps,
         [("parameter", static.param_bytes), ("gradient", static.grad_bytes),
-         ("optimizer_state", static.optimizer_bytes), ("buffer", static.buffer_bytes)],
+         ("optimizer_state", static.optimizer_bytes), ("buffer", static.buffer_bytes)]
+        # each workspace its own block, as its library allocates it (held from the start:
+        # an approximation for those first made in backward, Workspace.first_use)
+        + [("workspace", w.nbytes) for w in static.workspaces],
         label.replace("stage", "stage ").replace("_ep", ", EP rank "),
         config=job.alloc_config,
         capacity=None if hbm is None else hbm - job.non_pytorch_memory_bytes,

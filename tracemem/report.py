@@ -164,7 +164,7 @@ def format_comparisons(comparisons: Sequence[Any]) -> str:
 
 _RANK_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "activation_bytes",
                 "comm_buffer_bytes", "temporary_bytes", "buffer_bytes", "input_bytes",
-                "zero3_gather_bytes")
+                "zero3_gather_bytes", "workspace_bytes")
 # the simulated CUDA caching allocator (tracemem.memory): max_memory_allocated / _reserved
 _ALLOCATOR_FIELDS = ("allocated_peak_bytes", "reserved_peak_bytes", "fragmentation_bytes",
                      "largest_free_block_bytes", "reserved_peak_step")
@@ -288,6 +288,11 @@ def _legend(result, units: str) -> list[str]:
                      + ('; "-": all of the stage\'s EP ranks alike (no MoE layer there, or '
                         'the same counts).' if any(r.ep_rank is None for r in result.ranks)
                         else "."))
+    if any(r.workspace_bytes for r in result.ranks):
+        lines.append(f"workspaces: what --gpu {result.settings.get('gpu')} keeps below the "
+                     f"dispatcher (cuBLAS workspaces, TE's dummy weight gradients, Megatron's "
+                     f"global memory buffer, RoPE's cache: tracemem/workspaces.py), held from "
+                     f"the start of the step.")
     recipe = par.precision_spec  # the --precision recipe with any precision flags applied
     kinds = {1: "fp8", 2: "bf16", 4: "fp32"}
     g, p = recipe.grad_bytes, recipe.param_bytes
@@ -350,6 +355,7 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
         to_units(0, units)  # raises, naming the valid units
     spans = stage_ranks(result.parallel)
     rows = []
+    below = any(r.workspace_bytes for r in result.ranks)  # a GPU named: workspaces counted
     for r in result.ranks:
         fits_cell = "" if r.fits is None else ("yes" if r.fits else "NO")  # reserved-based
         rows.append([r.pp_stage, _format_spans(spans[r.pp_stage]),
@@ -359,13 +365,16 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
                         r.activation_bytes)]
                     + [r.inflight_microbatches]
                     + [format_size(n, units) for n in (
-                        r.comm_buffer_bytes, r.temporary_bytes, r.peak_bytes)]
+                        r.comm_buffer_bytes, r.temporary_bytes)]
+                    + ([format_size(r.workspace_bytes, units)] if below else [])
+                    + [format_size(r.peak_bytes, units)]
                     + [r.peak_step or "-"]
                     + [format_size(n, units) for n in (r.reserved_peak_bytes,
                                                        r.fragmentation_bytes)]
                     + ([fits_cell] if fits_cell else []))
     headers = ["stage", "ranks", "EP rank", "params", "grads", "optimizer", "activations",
-               "in-flight", "comm", "temporaries", "peak", "at step", "reserved", "frag."]
+               "in-flight", "comm", "temporaries"] + (["workspaces"] if below else []) + [
+               "peak", "at step", "reserved", "frag."]
     if result.hbm_bytes is not None:
         headers.append(f"fits {_size_label(result.hbm_bytes, units, given=True)}")
     par, st = result.parallel, result.settings

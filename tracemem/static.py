@@ -71,6 +71,9 @@ class StaticMemory:
             (param_bytes per element, this rank's TP/EP shard of that unit: a decoder layer,
             MTP module, the embedding or the head; ``tracemem.zero3.zero3_units``), else 0.
         by_component: parameter elements held per component (``modeling.params.COMPONENTS``).
+        workspaces: the allocations below the dispatcher this rank keeps
+            (``tracemem.workspaces.Workspace``; empty when the job names no GPU), not in
+            ``total_bytes``: ``workspace_bytes``.
     """
 
     dense_params: int
@@ -81,6 +84,11 @@ class StaticMemory:
     buffer_bytes: int
     zero3_gather_bytes: int
     by_component: dict[str, int] = field(default_factory=dict)
+    workspaces: tuple = ()
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(w.nbytes for w in self.workspaces)
 
     @property
     def total_bytes(self) -> int:

@@ -128,9 +128,9 @@ def replay_through_allocator(replayed: Iterable, steps: list, static: Iterable[t
     ``tracemem.estimator.replay_events``, in order. ``steps[step_index]`` labels the x axis.
     """
     r = AllocatorReplay(**kwargs)
-    for category, nbytes in static:
+    for index, (category, nbytes) in enumerate(static):
         if nbytes:
-            r.alloc(("static", category), nbytes, category, "", "static")
+            r.alloc(("static", index), nbytes, category, "", "static")
     current = None
     for index, key, action, nbytes, event in replayed:
         if index != current:
