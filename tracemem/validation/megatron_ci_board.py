@@ -14,6 +14,12 @@ Scored at iteration 2 (or the first logged iteration after 1): the peak since th
 started, so it covers iteration 1 (whose optimizer step makes Adam's moments) and iteration 2
 (the first with them present from the start). tracemem's step has them from the start.
 
+Beside it, Megatron-LM's own closed form on the same arguments
+(``tracemem.formulas.megatron.theoretical_memory_usage``, d98e8a6, term by term): what its
+users have today. Its weight term describes a "most loaded shard" and its activation term the
+first stage, which is not the logged rank; the board shows its error all the same, since that
+is the figure a user would read.
+
 The residue of a case is what tracemem knows it does not trace for that job
 (``megatron_approximations``: the front door's stated approximations), and the rest,
 unexplained. Nothing here is tuned to a measured value.
@@ -35,8 +41,10 @@ class BoardRow:
     """One scored case: ``measured_bytes`` (the golden file's, at ``measured_iteration``),
     ``tracemem_bytes`` (the logged rank's simulated ``max_memory_allocated``), ``error``
     (tracemem / measured - 1), ``peak_bytes`` (the replayed peak, before the allocator's
-    block rounding), the logged rank's ``pp_stage`` and ``rank``, and ``approximations`` (the
-    front door's stated approximations for the job: known, untraced residue)."""
+    block rounding), the logged rank's ``pp_stage`` and ``rank``, ``approximations`` (the
+    front door's stated approximations for the job: known, untraced residue),
+    ``workspace_bytes`` (of ``tracemem_bytes``: below the dispatcher, ``tracemem.workspaces``)
+    and ``formula_bytes`` (Megatron's ``theoretical_memory_usage`` total)."""
 
     name: str
     gpu: str | None
@@ -48,10 +56,18 @@ class BoardRow:
     pp_stage: int
     rank: int
     approximations: tuple[str, ...]
+    workspace_bytes: int = 0
+    formula_bytes: int | None = None  # Megatron's theoretical_memory_usage total
 
     @property
     def error(self) -> float:
         return self.tracemem_bytes / self.measured_bytes - 1
+
+    @property
+    def formula_error(self) -> float | None:
+        if self.formula_bytes is None:
+            return None
+        return self.formula_bytes / self.measured_bytes - 1
 
 
 def _logged_class(job):
@@ -73,6 +89,7 @@ def score_case(case) -> BoardRow:
         TracememError: the front door refuses the case (``case_job_kwargs``).
     """
     from tracemem.estimator import TraceCache, allocator_row, replay_class, trace_classes
+    from tracemem.formulas.megatron import formula_bytes_for_job
     from tracemem.frontdoors import megatron_approximations
     from tracemem.job import Job
     from tracemem.validation.megatron_ci import case_job_kwargs
@@ -84,9 +101,11 @@ def score_case(case) -> BoardRow:
     row = allocator_row(job, traced)
     notes = tuple(megatron_approximations(case.argv,
                                           env=dict(case.env_vars)))
+    formula = formula_bytes_for_job(case.argv, case.world_size, vocab_size=case.vocab_size)
     return BoardRow(case.name, case.gpu, case.world_size, case.measured_iteration,
                     case.measured_bytes, row.allocated_peak_bytes, row.peak_bytes,
-                    unit.stage, job.world_size - 1, notes)
+                    unit.stage, job.world_size - 1, notes, row.workspace_bytes,
+                    formula.total_bytes)
 
 
 def score_cases(cases, progress: Callable[[str], None] | None = None
@@ -103,18 +122,34 @@ def score_cases(cases, progress: Callable[[str], None] | None = None
     return rows, failed
 
 
+def _stats(errors: list[float]) -> dict:
+    errors = sorted(abs(e) for e in errors)
+    p90 = errors[min(len(errors) - 1, max(0, -(-9 * len(errors) // 10) - 1))]
+    return {"median_abs_error": statistics.median(errors), "p90_abs_error": p90,
+            "worst_abs_error": errors[-1], "within_5pct": sum(e <= 0.05 for e in errors),
+            "within_2pct": sum(e <= 0.02 for e in errors)}
+
+
 def summary(rows: list[BoardRow]) -> dict:
-    """Cases, median |error|, 90th percentile |error| (nearest rank), worst |error|, and how
-    many are within 5 % and 2 %."""
+    """Cases, median |error|, 90th percentile |error| (nearest rank), worst |error|, how
+    many are within 5 % and 2 %, the mean error; and the same of Megatron's formula
+    (``formula``, over the cases it gives a figure for)."""
     if not rows:
         return {"cases": 0}
-    errors = sorted(abs(r.error) for r in rows)
-    p90 = errors[min(len(errors) - 1, max(0, -(-9 * len(errors) // 10) - 1))]
-    return {"cases": len(rows), "median_abs_error": statistics.median(errors),
-            "p90_abs_error": p90, "worst_abs_error": errors[-1],
-            "within_5pct": sum(e <= 0.05 for e in errors),
-            "within_2pct": sum(e <= 0.02 for e in errors),
-            "mean_error": statistics.fmean(r.error for r in rows)}
+    out = {"cases": len(rows), **_stats([r.error for r in rows]),
+           "mean_error": statistics.fmean(r.error for r in rows)}
+    formula = [r.formula_error for r in rows if r.formula_error is not None]
+    if formula:
+        out["formula"] = {"cases": len(formula), **_stats(formula),
+                          "mean_error": statistics.fmean(formula)}
+    return out
+
+
+def _summary_line(title: str, s: dict) -> str:
+    return (f"{title}: {s['cases']} cases; median |error| {s['median_abs_error']:.1%}, 90th "
+            f"percentile {s['p90_abs_error']:.1%}, worst {s['worst_abs_error']:.1%}; within "
+            f"5 %: {s['within_5pct']}, within 2 %: {s['within_2pct']}; mean error "
+            f"{s['mean_error']:+.1%}")
 
 
 def format_board(rows: list[BoardRow], left_out: list[tuple[object, str]],
@@ -127,20 +162,22 @@ def format_board(rows: list[BoardRow], left_out: list[tuple[object, str]],
     table = [[r.name, r.gpu or "-", r.world_size, r.measured_iteration,
               f"{r.measured_bytes:,}", f"{r.measured_bytes / gib:.3f}",
               f"{r.tracemem_bytes:,}", f"{r.tracemem_bytes / gib:.3f}", f"{r.error:+.1%}",
+              f"{r.workspace_bytes / 2**20:.0f}",
+              "-" if r.formula_error is None else f"{r.formula_error:+.1%}",
               len(r.approximations)] for r in sorted(rows, key=lambda r: r.name)]
     lines = [tabulate(table, headers=["case", "GPU", "GPUs", "iter", "measured B",
-                                      "GiB", "tracemem B", "GiB", "error",
-                                      "approximations"],
+                                      "GiB", "tracemem B", "GiB", "error", "of it: ws MiB",
+                                      "formula error", "approx."],
                       disable_numparse=True,
                       colalign=("left", "left", "right", "right", "right", "right", "right",
-                                "right", "right", "right"))]
+                                "right", "right", "right", "right", "right"))]
     s = summary(rows)
     if s["cases"]:
-        lines += ["", f"Summary: {s['cases']} cases; median |error| "
-                      f"{s['median_abs_error']:.1%}, 90th percentile {s['p90_abs_error']:.1%}, "
-                      f"worst {s['worst_abs_error']:.1%}; within 5 %: {s['within_5pct']}, "
-                      f"within 2 %: {s['within_2pct']}; mean error {s['mean_error']:+.1%} "
-                      f"(tracemem / measured - 1; GiB = 2^30 B)"]
+        lines += ["", _summary_line("Summary", s) + " (tracemem / measured - 1; GiB = 2^30 B; "
+                  "ws: workspaces below the dispatcher)"]
+        if "formula" in s:
+            lines.append(_summary_line("Megatron-LM's theoretical_memory_usage on the same "
+                                       "cases", s["formula"]))
     reasons: dict[str, int] = {}
     for _, why in left_out + failed:
         reasons[why] = reasons.get(why, 0) + 1

@@ -36,7 +36,7 @@ def test_one_case_end_to_end(case):
 
 
 def _row(measured, traced):
-    return BoardRow("x", "H100", 8, 2, measured, traced, traced, 0, 7, ())
+    return BoardRow("x", "H100", 8, 2, measured, traced, traced, 0, 7, (), 0, measured)
 
 
 def test_summary_by_hand():
