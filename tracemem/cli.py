@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "megatron-ci: Megatron-LM's measured CI runs (the scoreboard, "
                                "docs/validation.md), each job through the Megatron-LM front "
                                "door, the logged rank's max_memory_allocated against the "
-                               "golden value at iteration 2")
+                               "golden value at iteration 2 (or the first logged after 1)")
     validate.add_argument("--ci-case", action="append", default=None, metavar="NAME",
                           help="--against megatron-ci: a case to score, by name or a part of "
                                "it (repeatable; default: every selected case)")
@@ -437,6 +437,15 @@ def _megatron_job(args: argparse.Namespace, **fixed):
         megatron_job_kwargs,
     )
 
+    from tracemem.frontdoors.megatron_args import megatron_arguments
+
+    mine = getattr(args, "options", set())
+    theirs = {o for a in megatron_arguments() for o in a["flags"]}
+    for token in args.megatron_args or ():
+        name = token.split("=", 1)[0]
+        if name in mine and name not in theirs:
+            raise TracememError(f"{name} is tracemem's flag, not Megatron-LM's: give it before "
+                                f"--megatron-args (everything after that is Megatron's)")
     argv, env = [], {}
     if args.megatron_config is not None:
         argv, env = megatron_args_from_yaml(args.megatron_config)
@@ -444,13 +453,17 @@ def _megatron_job(args: argparse.Namespace, **fixed):
         argv = argv + expand_megatron_args(args.megatron_args)
     kwargs = megatron_job_kwargs(argv, env=env, world_size=getattr(args, "world_size", None),
                                  vocab_size=args.vocab_size)
-    args.approximations = megatron_approximations(argv, env=env)
+    # what tracemem does not trace of this job (irrelevant to a parameter count)
+    args.approximations = ([] if args.command == "params" else
+                           megatron_approximations(argv, env=env))
     overrides = _explicit(_flag_fields(args), args)
     overrides.pop("world_size", None)  # the launcher's, which Megatron does not take
     # say what replaced an argument of the job (tracemem's own settings, such as --hbm, are
     # not overrides)
     args.overrides = sorted(name for name, value in overrides.items()
                             if name in kwargs and kwargs[name] != value)
+    if args.vocab_size is not None and any(a.split("=")[0] == "--vocab-size" for a in argv):
+        args.overrides.append("vocab_size")  # tracemem's --vocab-size over Megatron's
     if "kernel_options" in overrides:
         overrides["kernel_options"] = dict(kwargs.get("kernel_options") or {}) | \
             overrides["kernel_options"]
@@ -690,8 +703,8 @@ def _override_note(args: argparse.Namespace) -> str:
         flags = ", ".join("--" + name.replace("_", "-") for name in args.overrides)
         lines.append(f"tracemem's flags override the Megatron-LM job's: {flags}")
     if getattr(args, "approximations", None):
-        lines.append("Approximated (Megatron-LM arguments that change memory by what tracemem "
-                     "does not trace):")
+        lines.append("Approximated (Megatron-LM arguments, as given or by Megatron's default, "
+                     "that change memory by what tracemem does not trace):")
         lines += [f"- {note}" for note in args.approximations]
     return "\n".join(lines) + "\n\n" if lines else ""
 
@@ -1092,6 +1105,12 @@ def _run_validate_megatron(args: argparse.Namespace) -> str:
     return format_results(results)
 
 
+def _options(parser: argparse.ArgumentParser, command: str) -> set[str]:
+    """The option strings of ``command``'s flags."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {opt for action in sub.choices[command]._actions for opt in action.option_strings}
+
+
 def _typed_dests(parser: argparse.ArgumentParser, command: str, argv: list[str]) -> set[str]:
     """The dests of the flags typed in ``argv`` for ``command`` (up to ``--megatron-args``,
     after which the arguments are Megatron's)."""
@@ -1114,6 +1133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.given = _typed_dests(parser, args.command, argv)
+    args.options = _options(parser, args.command)
     try:
         commands = {"crosscheck": _run_crosscheck, "demo": _run_toy, "toy": _run_toy,
                     "estimate": _run_estimate, "inventory": _run_inventory,

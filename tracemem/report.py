@@ -432,8 +432,7 @@ def format_fits(fits: Sequence[Any], result, units: str = "GiB") -> str:
                          + (["as Megatron-LM arguments"] if megatron else []),
                          disable_numparse=True, colalign=("left", "right", "right", "right",
                                                           "right", "right")
-                         + (("left",) if megatron else ()),
-                         maxcolwidths=[None] * 6 + ([60] if megatron else []))
+                         + (("left",) if megatron else ()))
         lines.append(table)
     notes = sorted({c.note for c in tried if c.note})
     lines += [f"({note})" for note in notes]

@@ -128,3 +128,43 @@ def test_fit_takes_the_job_and_answers_in_its_arguments(capsys, args_file):
     best = next(line for line in out.splitlines() if line.startswith("best"))
     # the first row ranked (b 1 or 2, both fit in 1 GiB: the same cost); b 2 is the job's
     assert best.startswith("best, as changes to the Megatron-LM arguments: ")
+
+
+def test_printed_arguments_read_back_as_an_args_file(capsys, args_file, tmp_path):
+    # --print-megatron-args writes a launch script's lines, continued with " \"
+    code, out, _ = run(capsys, "estimate", "--world-size", "4", "--print-megatron-args",
+                       "--megatron-args", f"@{args_file}")
+    printed = tmp_path / "printed.args"
+    printed.write_text(out)
+    assert out.count(" \\\n") >= 10
+    code2, out2, _ = run(capsys, "estimate", "--world-size", "4", "--print-megatron-args",
+                         "--megatron-args", f"@{printed}")
+    assert (code, code2) == (0, 0) and out2 == out
+
+
+def test_a_tracemem_flag_after_megatron_args_is_named(capsys, args_file):
+    code, _, err = run(capsys, "estimate", "--world-size", "4", "--quiet",
+                       "--megatron-args", f"@{args_file}", "--hbm", "80GiB")
+    assert code == 2 and err.strip() == (
+        "tracemem: error: --hbm is tracemem's flag, not Megatron-LM's: give it before "
+        "--megatron-args (everything after that is Megatron's)")
+    code, _, err = run(capsys, "estimate", "--world-size", "4", "--quiet", "--vocab-size", "0",
+                       "--megatron-args", f"@{args_file}")
+    assert code == 2 and "--vocab-size 0 must be a positive integer" in err
+
+
+def test_a_new_pp_restates_megatron_s_virtual_stages(capsys, tmp_path):
+    # 8 layers, PP 2, 2 layers per virtual stage: VPP = 8 / (2 x 2) = 2; with --pp 4 the job
+    # keeps VPP 2, which --num-layers-per-virtual-pipeline-stage 2 would now make 1, so the
+    # printed arguments state VPP itself
+    path = tmp_path / "vpp.args"
+    path.write_text(ARGS.replace("--tensor-model-parallel-size 2 --sequence-parallel ", "")
+                    .replace("--num-layers 2", "--num-layers 8")
+                    + " --pipeline-model-parallel-size 2"
+                      " --num-layers-per-virtual-pipeline-stage 2")
+    code, out, _ = run(capsys, "estimate", "--world-size", "4", "--pp", "4",
+                       "--print-megatron-args", "--megatron-args", f"@{path}")
+    words = out.replace("\\\n", " ").split()
+    assert code == 0 and "--num-layers-per-virtual-pipeline-stage" not in words
+    assert words[words.index("--num-virtual-stages-per-pipeline-rank") + 1] == "2"
+    assert words[words.index("--pipeline-model-parallel-size") + 1] == "4"

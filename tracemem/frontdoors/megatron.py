@@ -223,6 +223,9 @@ def _vocab(ns, vocab_size) -> tuple[int, int | None]:
     if ns.padded_vocab_size is not None:  # used as given (argument_utils gpt_config_from_args)
         return ns.padded_vocab_size, None
     if vocab_size is not None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+            raise TracememError(f"--vocab-size {vocab_size!r} must be a positive integer (the "
+                                f"tokenizer's vocabulary before padding)")
         return vocab_size, ns.make_vocab_size_divisible_by
     files = [f"{flag} {value}" for flag, value in (
         ("--vocab-file", ns.vocab_file), ("--tokenizer-model", ns.tokenizer_model),
@@ -1088,7 +1091,7 @@ def to_megatron_args(job) -> list[str]:
     kwargs = megatron_job_kwargs(original, world_size=f["world_size"],
                                  vocab_size=f["model"].vocab_size)
     before = _canonical(_fields_of(kwargs))
-    changed = {name for name in target if target[name] != before[name]}
+    changed = _with_dependents({name for name in target if target[name] != before[name]}, f)
     drop = {flag for name in changed for flag in _GROUP_FLAGS[name]}
     alias = _aliases()
     out = [token for flag, tokens in _segments(original) if alias.get(flag, flag) not in drop
@@ -1097,6 +1100,15 @@ def to_megatron_args(job) -> list[str]:
         if name in changed:
             out += target[name]
     return out
+
+
+def _with_dependents(changed: set[str], f: Mapping[str, Any]) -> set[str]:
+    """``changed`` groups and the groups whose flags mean something else after them: with
+    VPP, Megatron's layout flags (``--num-layers-per-virtual-pipeline-stage``, a layout
+    string) depend on PP, so a new PP restates the layout."""
+    if "pp" in changed and f.get("vpp", 1) > 1:
+        return changed | {"layout"}
+    return changed
 
 
 def _flag_runs(tokens: list[str]) -> list[list[str]]:
@@ -1144,10 +1156,12 @@ def megatron_flag_changes(changes: Mapping[str, Any], job=None) -> str:
                 moved["global_batch_size"] = None  # M given: G follows from it
             after = _fields_of(job.with_changes(**moved))
     old, new = _canonical(base), _canonical(after)
+    changed = _with_dependents({name for name in _GROUP_FLAGS if old[name] != new[name]},
+                               after)
     words: list[str] = []
     dropped: list[str] = []
     for name in _GROUP_FLAGS:
-        if old[name] == new[name]:
+        if name not in changed:
             continue
         if isinstance(new[name], _Unstated):
             raise TracememError(str(new[name]))

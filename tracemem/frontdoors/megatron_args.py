@@ -212,6 +212,9 @@ def expand_megatron_args(argv, _depth: int = 0) -> list[str]:
         except (OSError, UnicodeDecodeError) as error:
             raise TracememError(f"{token}: cannot read the argument file: "
                                 f"{type(error).__name__}: {error}") from None
+        # a launch script's lines continued with a backslash, as --print-megatron-args
+        # writes them: the continuation is a space
+        text = re.sub(r"\\\r?\n", " ", text)
         try:
             words = shlex.split(text, comments=True)
         except ValueError as error:  # "No closing quotation"
