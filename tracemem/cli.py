@@ -464,6 +464,10 @@ def _megatron_job(args: argparse.Namespace, **fixed):
                             if name in kwargs and kwargs[name] != value)
     if args.vocab_size is not None and any(a.split("=")[0] == "--vocab-size" for a in argv):
         args.overrides.append("vocab_size")  # tracemem's --vocab-size over Megatron's
+    if overrides.get("kernels", "megatron-te") != "megatron-te":
+        # the job's kernel options are megatron-te's (Megatron's flags): another profile's
+        # kernels replace them whole
+        kwargs["kernel_options"] = {}
     if "kernel_options" in overrides:
         overrides["kernel_options"] = dict(kwargs.get("kernel_options") or {}) | \
             overrides["kernel_options"]

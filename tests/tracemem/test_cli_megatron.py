@@ -168,3 +168,11 @@ def test_a_new_pp_restates_megatron_s_virtual_stages(capsys, tmp_path):
     assert code == 0 and "--num-layers-per-virtual-pipeline-stage" not in words
     assert words[words.index("--num-virtual-stages-per-pipeline-rank") + 1] == "2"
     assert words[words.index("--pipeline-model-parallel-size") + 1] == "4"
+
+
+def test_another_kernel_profile_drops_the_job_s_megatron_kernel_options(capsys, args_file):
+    code, out, err = run(capsys, "estimate", "--world-size", "4", "--quiet", "--kernels",
+                         "eager", "--megatron-args", f"@{args_file}")
+    assert code == 0, err
+    assert out.splitlines()[0] == "tracemem's flags override the Megatron-LM job's: --kernels"
+    assert "kernels eager" in out
