@@ -872,6 +872,9 @@ def _run_inventory(args: argparse.Namespace) -> str:
                       seq_length=args.seq_length, part=args.part, replace=args.replace,
                       **_layout_kwargs(args))
     inventories = [get_inventory(model, kernels=kernels, kernel_options=options, **common)]
+    ignored = "" if job is None or job.recompute == "none" else (
+        f"Note: the inventory lists what a layer keeps without recompute; the job's recompute "
+        f"{job.recompute} is not applied here (tracemem estimate applies it).\n\n")
     if args.compare:
         other = options if args.compare == "megatron-te" else {}
         inventories.append(get_inventory(model, kernels=args.compare, kernel_options=other,
@@ -883,7 +886,7 @@ def _run_inventory(args: argparse.Namespace) -> str:
                                       "op": r.op, "shape": list(r.shape), "dtype": r.dtype,
                                       "bytes": r.nbytes, "source": r.source}
                                      for r in inv.rows]} for inv in inventories], indent=2)
-    return format_inventory(inventories)
+    return ignored + format_inventory(inventories)
 
 
 def _run_crosscheck(args: argparse.Namespace) -> str:
