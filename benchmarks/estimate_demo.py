@@ -26,7 +26,7 @@ def what_fits_time() -> None:
     base = estimate("deepseek-v3", **DEMO)
     base_s = time.perf_counter() - start
     start = time.perf_counter()
-    fits = what_fits("deepseek-v3", base, **DEMO)
+    fits = what_fits(base)
     fits_s = time.perf_counter() - start
     tried = [c for c in fits if c.skipped is None]
     print(f"{'demo estimate, then --what-fits':45s} {base_s:6.1f} s + {fits_s:.1f} s "
