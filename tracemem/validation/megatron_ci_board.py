@@ -14,6 +14,11 @@ Scored at iteration 2 (or the first logged iteration after 1): the peak since th
 started, so it covers iteration 1 (whose optimizer step makes Adam's moments) and iteration 2
 (the first with them present from the start). tracemem's step has them from the start.
 
+A second check on the same case: what is alive after the step (``mem-allocated-bytes``,
+``allocated_bytes.all.current`` at the same iteration) against tracemem's static memory
+(parameters, gradient buffers, optimizer states, buffers) and workspaces, the memory that
+outlives a step.
+
 Beside it, Megatron-LM's own closed form on the same arguments
 (``tracemem.formulas.megatron.theoretical_memory_usage``, d98e8a6, term by term): what its
 users have today. Its weight term describes a "most loaded shard" and its activation term the
@@ -58,10 +63,20 @@ class BoardRow:
     approximations: tuple[str, ...]
     workspace_bytes: int = 0
     formula_bytes: int | None = None  # Megatron's theoretical_memory_usage total
+    # a second check: what is alive after the step (mem-allocated-bytes at the same
+    # iteration) against tracemem's static memory and workspaces, which outlive the step
+    measured_after_bytes: int | None = None
+    tracemem_after_bytes: int | None = None
 
     @property
     def error(self) -> float:
         return self.tracemem_bytes / self.measured_bytes - 1
+
+    @property
+    def after_error(self) -> float | None:
+        if not self.measured_after_bytes or self.tracemem_after_bytes is None:
+            return None
+        return self.tracemem_after_bytes / self.measured_after_bytes - 1
 
     @property
     def formula_error(self) -> float | None:
@@ -102,10 +117,14 @@ def score_case(case) -> BoardRow:
     notes = tuple(megatron_approximations(case.argv,
                                           env=dict(case.env_vars)))
     formula = formula_bytes_for_job(case.argv, case.world_size, vocab_size=case.vocab_size)
+    static = traced.static
+    after = (static.param_bytes + static.grad_bytes + static.optimizer_bytes
+             + static.buffer_bytes + static.workspace_bytes)
     return BoardRow(case.name, case.gpu, case.world_size, case.measured_iteration,
                     case.measured_bytes, row.allocated_peak_bytes, row.peak_bytes,
                     unit.stage, job.world_size - 1, notes, row.workspace_bytes,
-                    formula.total_bytes)
+                    formula.total_bytes,
+                    (case.allocated or {}).get(case.measured_iteration), after)
 
 
 def score_cases(cases, progress: Callable[[str], None] | None = None
@@ -138,6 +157,10 @@ def summary(rows: list[BoardRow]) -> dict:
         return {"cases": 0}
     out = {"cases": len(rows), **_stats([r.error for r in rows]),
            "mean_error": statistics.fmean(r.error for r in rows)}
+    after = [r.after_error for r in rows if r.after_error is not None]
+    if after:
+        out["after_step"] = {"cases": len(after), **_stats(after),
+                             "mean_error": statistics.fmean(after)}
     formula = [r.formula_error for r in rows if r.formula_error is not None]
     if formula:
         out["formula"] = {"cases": len(formula), **_stats(formula),
@@ -163,18 +186,22 @@ def format_board(rows: list[BoardRow], left_out: list[tuple[object, str]],
               f"{r.measured_bytes:,}", f"{r.measured_bytes / gib:.3f}",
               f"{r.tracemem_bytes:,}", f"{r.tracemem_bytes / gib:.3f}", f"{r.error:+.1%}",
               f"{r.workspace_bytes / 2**20:.0f}",
+              "-" if r.after_error is None else f"{r.after_error:+.1%}",
               "-" if r.formula_error is None else f"{r.formula_error:+.1%}",
               len(r.approximations)] for r in sorted(rows, key=lambda r: r.name)]
     lines = [tabulate(table, headers=["case", "GPU", "GPUs", "iter", "measured B",
                                       "GiB", "tracemem B", "GiB", "error", "of it: ws MiB",
-                                      "formula error", "approx."],
+                                      "after-step error", "formula error", "approx."],
                       disable_numparse=True,
                       colalign=("left", "left", "right", "right", "right", "right", "right",
-                                "right", "right", "right", "right", "right"))]
+                                "right", "right", "right", "right", "right", "right"))]
     s = summary(rows)
     if s["cases"]:
         lines += ["", _summary_line("Summary", s) + " (tracemem / measured - 1; GiB = 2^30 B; "
                   "ws: workspaces below the dispatcher)"]
+        if "after_step" in s:
+            lines.append(_summary_line("After the step (mem-allocated-bytes against static "
+                                       "memory + workspaces)", s["after_step"]))
         if "formula" in s:
             lines.append(_summary_line("Megatron-LM's theoretical_memory_usage on the same "
                                        "cases", s["formula"]))

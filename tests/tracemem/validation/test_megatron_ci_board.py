@@ -1,5 +1,5 @@
-"""The megatron-ci scoreboard end to end on one case, and its summary by hand (issue 21 items 1,
-5).
+"""The megatron-ci scoreboard end to end on one case (its peak and its after-step check), and
+its summary by hand (issue 21 items 1, 5).
 
 References: the measured value is the golden file's, written here literally (Megatron-LM
 tests/functional_tests/test_cases/gpt/gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset/
@@ -33,10 +33,17 @@ def test_one_case_end_to_end(case):
     full = estimate(Job(**case_job_kwargs(case), gpu=case.gpu))
     assert row.tracemem_bytes == full.ranks[-1].allocated_peak_bytes
     assert row.error == row.tracemem_bytes / 4_702_430_720 - 1
+    # the after-step check: mem-allocated-bytes at iteration 2 against the static memory and
+    # the workspaces (what outlives the step)
+    static = full.ranks[-1].static
+    assert row.measured_after_bytes == 581_489_664
+    assert row.tracemem_after_bytes == (static.param_bytes + static.grad_bytes
+                                        + static.optimizer_bytes + static.buffer_bytes
+                                        + full.ranks[-1].workspace_bytes)
 
 
 def _row(measured, traced):
-    return BoardRow("x", "H100", 8, 2, measured, traced, traced, 0, 7, (), 0, measured)
+    return BoardRow("x", "H100", 8, 2, measured, traced, traced, 0, 7, (), 0, measured, None, None)
 
 
 def test_summary_by_hand():
