@@ -16,7 +16,7 @@ import torch
 from modeling import build_model, load_config
 from modeling.common.routing import Balanced
 from tracemem import MemoryTracer
-from tracemem.validation import profile_cpu_step
+from tracemem.validation import model_step_real_and_traced
 
 B, S = 2, 16
 
@@ -32,36 +32,13 @@ def build(cfg, device, attention):
     return model, optimizer, tokens, labels
 
 
-def traced(cfg, attention):
-    """The meta step's (peak, bytes left) above the externals."""
-    model, optimizer, tokens, labels = build(cfg, "meta", attention)
-    tracer = MemoryTracer()
-    tracer.track_external(model, optimizer, tokens, labels)
-    with tracer:
-        model(tokens, labels, Balanced()).backward()
-        optimizer.step()
-    return (tracer.peak_bytes - tracer.baseline_bytes,
-            tracer.current_bytes - tracer.baseline_bytes)
-
-
 # The peak is AdamW's `exp_avg_sq.sqrt() / bias_correction2_sqrt` on the largest parameter:
 # a float64 CPU scalar (8 B) and its float32 copy (4 B), below the dispatcher
 # (tests/modeling/test_real_step.py), as without dropout.
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny"])
 def test_traced_meta_step_with_dropout_matches_the_real_cpu_step(preset):
     cfg = dataclasses.replace(load_config(preset), hidden_dropout=0.1, attention_dropout=0.1)
-    model, optimizer, tokens, labels = build(cfg, "cpu", "eager")
-    model(tokens, labels, Balanced()).backward()  # warm-up on a throw-away copy
-    optimizer.step()
-
-    model, optimizer, tokens, labels = build(cfg, "cpu", "eager")
-
-    def step():
-        model(tokens, labels, Balanced()).backward()
-        optimizer.step()
-
-    real = profile_cpu_step(step)
-    peak, end = traced(cfg, "eager")
+    real, peak, end = model_step_real_and_traced(cfg)
     assert real.peak_bytes - peak == 8 + 4
     assert real.end_bytes == end
 

@@ -30,7 +30,7 @@ from modeling.parallel.plans import LocalSizes
 from modeling.params import count_activated, count_by_component, count_total
 from tracemem import MemoryTracer
 from tracemem.errors import TracememError
-from tracemem.validation import profile_cpu_step
+from tracemem.validation import model_step_real_and_traced
 
 
 def _write(tmp_path, **data):
@@ -152,20 +152,6 @@ def test_every_norm_site_follows_the_normalization():
     assert not any(isinstance(m, LayerNorm) for m in rms.modules())
 
 
-B, S = 2, 16
-
-
-def _build(cfg, device):
-    torch.manual_seed(0)
-    # built on the device itself: Module.to("meta") unties a tied head from the embedding
-    model = build_model(cfg, device, attention="eager", dtype=torch.float32, kernels="eager")
-    for param in model.parameters():
-        torch.nn.init.normal_(param, std=0.02)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, cfg.vocab_size, (B, S)).to(device)
-    labels = torch.randint(0, cfg.vocab_size, (B, S)).to(device)
-    return model, optimizer, tokens, labels
-
 
 # The peak is AdamW's `exp_avg_sq.sqrt() / bias_correction2_sqrt` on the largest parameter:
 # the Python float wrapped as a float64 CPU tensor (8 B) and its float32 copy (4 B), both
@@ -180,26 +166,9 @@ def _build(cfg, device):
 ])
 def test_tiny_gpt_meta_step_matches_the_real_cpu_step(changes):
     cfg = dataclasses.replace(load_config("gpt-tiny"), **changes)
-    model, optimizer, tokens, labels = _build(cfg, "cpu")
-    model(tokens, labels, Balanced()).backward()  # warm-up on a throw-away copy
-    optimizer.step()
-
-    model, optimizer, tokens, labels = _build(cfg, "cpu")
-
-    def step():
-        model(tokens, labels, Balanced()).backward()
-        optimizer.step()
-
-    real = profile_cpu_step(step)
-    meta = _build(cfg, "meta")
-    tracer = MemoryTracer()
-    tracer.track_external(*meta)
-    with tracer:
-        meta[0](meta[2], meta[3], Balanced()).backward()
-        meta[1].step()
-
-    assert real.peak_bytes - (tracer.peak_bytes - tracer.baseline_bytes) == 8 + 4
-    assert real.end_bytes == tracer.current_bytes - tracer.baseline_bytes
+    real, peak, end = model_step_real_and_traced(cfg)
+    assert real.peak_bytes - peak == 8 + 4
+    assert real.end_bytes == end
 
 
 @pytest.mark.parametrize("b, copy", [(2, True), (1, False)])

@@ -160,7 +160,7 @@ def _refuse_tables(ns: argparse.Namespace, given: set[str], argv: list[str]) -> 
             at = min(position[f] for f in record["flags"] if f in position)
             hits.append((at, f"{_show(record, value)}: {REFUSED[flag]}"))
     if hits:
-        raise TracememError(f"tracemem refuses these Megatron-LM arguments: "
+        raise TracememError("tracemem refuses these Megatron-LM arguments: "
                             + "; ".join(text for _, text in sorted(hits)))
 
 

@@ -11,6 +11,7 @@ from tracemem.validation.compare import (
 )
 from tracemem.validation.groundtruth import (
            ProfiledStep,
+           model_step_real_and_traced,
            profile_cpu_loop,
            profile_cpu_step,
            unseen_allocations,
@@ -18,4 +19,4 @@ from tracemem.validation.groundtruth import (
 
 __all__ = ["CASES", "Case", "Setup", "get_case", "STEPS", "Comparison", "StepComparison",
            "compare_case", "trace_case", "ProfiledStep", "profile_cpu_loop", "profile_cpu_step",
-           "unseen_allocations"]
+           "unseen_allocations", "model_step_real_and_traced"]

@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from tracemem.tracer import MemoryTracer
 
 __all__ = ["ProfiledStep", "profile_cpu_step", "profile_cpu_loop", "unseen_allocations",
-           "quiet_stderr", "no_cyclic_gc"]
+           "quiet_stderr", "no_cyclic_gc", "model_step_real_and_traced"]
 
 _STEP_MARKER = "tracemem.validation.step"
 
@@ -186,3 +186,40 @@ def unseen_allocations(real: ProfiledStep, tracer: MemoryTracer) -> list[int]:
         else:
             unseen.append(delta)
     return unseen
+
+
+def model_step_real_and_traced(cfg, *, b: int = 2, s: int = 16, attention: str = "eager"
+                               ) -> tuple[ProfiledStep, int, int]:
+    """One training step of model ``cfg`` (a ``modeling.ModelConfig``; eager kernels, fp32,
+    AdamW, balanced routing, b sequences of s tokens) for real on CPU under the profiler
+    (after a warm-up step on a throw-away copy) and traced on meta: the real step, and the
+    traced step's peak and bytes left above its externals (the family tests' reference)."""
+    from modeling import build_model
+    from modeling.common.routing import Balanced
+
+    def build(device):
+        torch.manual_seed(0)
+        # built on the device itself: Module.to("meta") unties a tied head from the embedding
+        model = build_model(cfg, device, attention=attention, dtype=torch.float32,
+                            kernels="eager")
+        for param in model.parameters():
+            torch.nn.init.normal_(param, std=0.02)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, cfg.vocab_size, (b, s)).to(device)
+        labels = torch.randint(0, cfg.vocab_size, (b, s)).to(device)
+        return model, optimizer, tokens, labels
+
+    def step(model, optimizer, tokens, labels):
+        model(tokens, labels, Balanced()).backward()
+        optimizer.step()
+
+    step(*build("cpu"))  # warm-up: first-use allocations stay out of the measured step
+    cpu = build("cpu")
+    real = profile_cpu_step(lambda: step(*cpu))
+    meta = build("meta")
+    tracer = MemoryTracer()
+    tracer.track_external(*meta)
+    with tracer:
+        step(*meta)
+    return (real, tracer.peak_bytes - tracer.baseline_bytes,
+            tracer.current_bytes - tracer.baseline_bytes)
