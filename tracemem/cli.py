@@ -437,6 +437,9 @@ def _megatron_job(args: argparse.Namespace, **fixed):
         megatron_job_kwargs,
     )
 
+    if args.megatron_args == [] and args.megatron_config is None:
+        raise TracememError("--megatron-args needs Megatron-LM arguments after it (or @FILE); "
+                            "it takes everything that follows it, so give it last")
     from tracemem.frontdoors.megatron_args import megatron_arguments
 
     mine = getattr(args, "options", set())
@@ -1151,7 +1154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TracememError as error:
         print(f"tracemem: error: {error}".splitlines()[0], file=sys.stderr)
         return 2
-    if not (getattr(args, "json", False) or getattr(args, "print_megatron_args", False)):
+    if getattr(args, "print_megatron_args", False):
+        note = _override_note(args).strip()
+        if note:  # stdout stays the arguments alone, to save as an @FILE
+            print(note, file=sys.stderr)
+    elif not getattr(args, "json", False):
         out = _override_note(args) + out
     try:
         print(out)

@@ -176,3 +176,15 @@ def test_another_kernel_profile_drops_the_job_s_megatron_kernel_options(capsys, 
     assert code == 0, err
     assert out.splitlines()[0] == "tracemem's flags override the Megatron-LM job's: --kernels"
     assert "kernels eager" in out
+
+
+def test_an_empty_megatron_args_and_a_printed_override(capsys, args_file):
+    code, _, err = run(capsys, "estimate", "--world-size", "4", "--megatron-args")
+    assert code == 2 and err.strip() == (
+        "tracemem: error: --megatron-args needs Megatron-LM arguments after it (or @FILE); it "
+        "takes everything that follows it, so give it last")
+    # printed arguments stay alone on stdout (an @FILE); the override is said on stderr
+    code, out, err = run(capsys, "estimate", "--world-size", "4", "--tp", "4",
+                         "--print-megatron-args", "--megatron-args", f"@{args_file}")
+    assert code == 0 and out.startswith("--")
+    assert "tracemem's flags override the Megatron-LM job's: --tp" in err
