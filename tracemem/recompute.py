@@ -9,11 +9,14 @@ Megatron-LM, megatron/core/transformer/transformer_block.py,
   ``Block.set_recompute("full")``.
 - ``block``: the first N layers of the chunk each checkpointed, the rest not recomputed.
 
-Applied from outside the modules: ``block`` sets each layer's own recompute; ``uniform`` with
-N > 1 makes the group's first layer run the whole group under one ``torch.utils.checkpoint``
-(reentrant under a Megatron kernel profile, as Megatron-Core's ``tensor_parallel.checkpoint``;
-else non-reentrant) and the others pass their input through when called outside it
-(the layers, their parameters and module paths stay as built).
+Both as megatron/core/recompute.py ``checkpointed_forward`` (``chunk_runner``) does them at
+Megatron-LM d98e8a6. Applied from outside the modules: ``block`` sets each layer's own
+recompute; ``uniform`` with N > 1 makes the group's first layer run the whole group under one
+checkpoint and the others pass their input through when called outside it (the layers, their
+parameters and module paths stay as built). The checkpoint is Megatron-Core's reentrant
+``tensor_parallel.checkpoint`` under a Megatron kernel profile (``modeling.common.checkpoint.
+megatron_checkpoint``, with ``--distribute-saved-activations`` as the layers were set: the
+group's input kept as 1/TP), else ``torch.utils.checkpoint`` non-reentrant.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from modeling.common.checkpoint import megatron_checkpoint
 from tracemem.errors import TracememError
 
 __all__ = ["RECOMPUTE_METHODS", "apply_recompute_method", "check_recompute_method"]
@@ -63,10 +67,11 @@ def apply_recompute_method(model: torch.nn.Module, method: str, num_layers: int)
 
 
 def _group(layers: list) -> None:
+    distribute = layers[0].distribute  # as Block.set_recompute("full", ...) left it
     for layer in layers:
         layer.set_recompute("none")
     if len(layers) == 1:
-        layers[0].set_recompute("full")
+        layers[0].set_recompute("full", distribute_saved_activations=distribute is not None)
         return
     inside = [False]
     real = [type(layer).forward for layer in layers]
@@ -86,9 +91,10 @@ def _group(layers: list) -> None:
         def forward(h, routing):
             if inside[0]:
                 return real[index](layer, h, routing)
-            if index == 0:  # Megatron's CheckpointFunction is reentrant
-                return checkpoint(run, h, routing,
-                                  use_reentrant=layer.kernels.orchestration == "megatron")
+            if index == 0:
+                if layer.kernels.orchestration == "megatron":  # CheckpointFunction
+                    return megatron_checkpoint(run, distribute, h, routing)
+                return checkpoint(run, h, routing, use_reentrant=False)
             return h  # ran inside the group's checkpoint
         return forward
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from modeling.common.checkpoint import CheckpointWithoutOutput, megatron_checkpoint
 from modeling.common.config import ModelConfig
 from modeling.common.custom import LayerContext, Replacements, build_replacement
 from modeling.kernels import KernelProfile, get_profile
@@ -22,10 +23,14 @@ from tracemem.errors import TracememError
 __all__ = ["Block", "RECOMPUTE_MODES", "RECOMPUTE_MODULES"]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
-# Megatron-LM's --recompute-modules names (megatron/core/transformer/transformer_config.py):
-# core attention, MLA up projections (with RoPE and core attention; MLA only), the RMSNorms,
-# the dense MLP, the whole MoE layer.
-RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "mlp", "moe")
+# Megatron-LM's --recompute-modules names (megatron/core/transformer/transformer_config.py
+# recompute_modules, TransformerConfig.__post_init__'s allowed_modules at d98e8a6): core
+# attention, MLA up projections and RoPE (MLA only), the input and pre-MLP norms, the dense MLP,
+# the whole MoE layer, the routed experts' activation (grouped experts only), the shared
+# experts. Megatron's others (gdn_norm_out, gdp_in_proj, gdp_qkv, mhc) recompute parts of layers
+# tracemem does not model (gated delta net / product, mHC); its front door refuses them by name.
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "mlp", "moe", "moe_act",
+                     "shared_experts")
 
 
 class Block(nn.Module):
@@ -50,6 +55,8 @@ class Block(nn.Module):
         self.layer_id = layer_id
         self.hidden_dropout = cfg.hidden_dropout  # after attention and after the FFN
         self.recompute, self.recompute_modules = "none", frozenset()
+        self.tp, self.sp = sizes.tp, sizes.sp  # --distribute-saved-activations: over TP
+        self.distribute: tuple[int, int] | None = None
         replace = replace or {}
         ctx = LayerContext(cfg, layer_id, sizes, kernels, attention, cfg.is_moe_layer(layer_id),
                            rank)
@@ -74,16 +81,34 @@ class Block(nn.Module):
             self.ffn = MLP(cfg.hidden_size, sizes.dense_inter, sizes.sp, kernels,
                            activation=cfg.hidden_act, gated=cfg.gated_mlp, bias=cfg.mlp_bias)
 
-    def set_recompute(self, recompute: str, modules: frozenset[str] = frozenset()) -> None:
+    def set_recompute(self, recompute: str, modules: frozenset[str] = frozenset(),
+                      distribute_saved_activations: bool = False) -> None:
         """``"none"``; ``"full"``: the whole layer is recomputed in backward (Megatron's
         "uniform" method, one layer per checkpoint); ``"selective"``: the ``modules`` named
-        (``RECOMPUTE_MODULES``) are. Uses ``torch.utils.checkpoint``: "full" is reentrant under a
-        Megatron kernel profile (megatron/core/tensor_parallel/random.py ``CheckpointFunction``:
-        the forward runs under no_grad, backward recomputes the layer whole; held against
-        Megatron-Core by ``tracemem validate --against megatron-core``), else non-reentrant.
+        (``RECOMPUTE_MODULES``) are.
+
+        Under a Megatron kernel profile each uses Megatron-Core's own mechanism
+        (``modeling.common.checkpoint``, Megatron-LM d98e8a6): full, ``core_attn``, ``mlp``,
+        ``moe`` and ``shared_experts`` the reentrant ``tensor_parallel.checkpoint``
+        (``CheckpointFunction``: no_grad forward keeping the inputs, recompute and backward in
+        its backward); ``layernorm``, ``moe_act`` and ``mla_up_proj`` ``CheckpointWithoutOutput``
+        (outputs freed once their consumer has saved them, recomputed by a gradient hook on
+        the consumer's output). ``layernorm`` recomputes the norms Megatron's TE spec keeps
+        apart: MLA's input norm and the MoE layers' pre-MLP norm (the dense MLP's and
+        grouped-query attention's are fused into fc1 / linear_qkv, ``IdentityOp`` in the spec,
+        transformer_layer.py ``__init__`` skips them). Under the eager and torch profiles:
+        ``torch.utils.checkpoint`` (non-reentrant), the PyTorch way; ``moe_act`` there
+        recomputes the SwiGLU product as ``CheckpointWithoutOutput`` does.
+
+        ``distribute_saved_activations`` (full only, Megatron's ``--distribute-saved-
+        activations``): the checkpoint keeps 1/TP of the layer's input (``megatron_checkpoint``).
 
         Raises:
-            TracememError: unknown mode or module; ``mla_up_proj`` for a model without MLA.
+            TracememError: unknown mode or module; ``mla_up_proj`` for a model without MLA;
+                ``moe_act`` with sequential experts; ``shared_experts`` with
+                ``moe_shared_expert_overlap``; ``distribute_saved_activations`` without full
+                recompute, with sequence parallelism or outside a Megatron profile (each
+                with Megatron's message where it has one).
         """
         if recompute not in RECOMPUTE_MODES:
             raise TracememError(f"--recompute {recompute!r} is invalid; choose one of "
@@ -92,51 +117,76 @@ class Block(nn.Module):
         if unknown:
             raise TracememError(f"--recompute-modules {', '.join(sorted(unknown))} is invalid; "
                                 f"choose from {', '.join(RECOMPUTE_MODULES)}")
-        if "mla_up_proj" in modules and recompute == "selective" \
-                and not isinstance(self.attn, MLA):
+        selective = frozenset(modules) if recompute == "selective" else frozenset()
+        if "mla_up_proj" in selective and not isinstance(self.attn, MLA):
             kind = ("grouped-query attention" if isinstance(self.attn, GQA) else
                     f"attention {type(self.attn).__name__}")
             raise TracememError(
                 f"--recompute-modules mla_up_proj applies to MLA (DeepSeek) only; this model has "
                 f"{kind}: use core_attn (or layernorm, mlp)")
+        if isinstance(self.ffn, MoE):  # TransformerConfig.__post_init__'s checks
+            self.ffn.set_recompute(selective)
+        megatron = self.kernels.orchestration == "megatron"
+        if distribute_saved_activations:
+            if recompute != "full":
+                raise TracememError(f"--distribute-saved-activations applies to --recompute "
+                                    f"full (Megatron's full-recompute checkpoint), not "
+                                    f"--recompute {recompute}")
+            if self.sp > 1:  # TransformerConfig.__post_init__
+                raise TracememError("distribute_saved_activations: True must be false when "
+                                    "sequence parallel is enabled: True")
+            if not megatron:
+                raise TracememError(f"--distribute-saved-activations is Megatron's checkpoint "
+                                    f"and needs --kernels megatron-te, not --kernels "
+                                    f"{self.kernels.name}")
         self.recompute = recompute
-        self.recompute_modules = frozenset(modules) if recompute == "selective" else frozenset()
+        self.recompute_modules = selective
+        self.distribute = (self.tp, 0) if distribute_saved_activations else None
         self.attn.recompute = self.recompute_modules & {"core_attn", "mla_up_proj"}
 
     def forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
         if self.recompute == "full":
-            # Megatron-Core's tensor_parallel.checkpoint (CheckpointFunction) is reentrant:
-            # the forward runs under no_grad, backward recomputes and backpropagates inside
-            return checkpoint(self._forward, x, routing,
-                              use_reentrant=self.kernels.orchestration == "megatron")
+            if self.kernels.orchestration == "megatron":
+                # Megatron-Core's tensor_parallel.checkpoint (CheckpointFunction), reentrant
+                return megatron_checkpoint(self._forward, self.distribute, x, routing)
+            return checkpoint(self._forward, x, routing, use_reentrant=False)
         return self._forward(x, routing)
 
     def _forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
         # each branch output stays alive through its dropout and residual add (Megatron's
         # attention_output_with_bias / mlp_output_with_bias, held until the bias-dropout-add
         # returns), then goes
-        if self.kernels.orchestration == "megatron" and isinstance(self.attn, GQA):
+        megatron = self.kernels.orchestration == "megatron"
+        if megatron and isinstance(self.attn, GQA):
             out = self.attn(x, self.attn_norm)  # norm fused into linear_qkv
         else:
-            out = self.attn(self._norm(self.attn_norm, x))
+            normed, ckpt = self._norm(self.attn_norm, x)
+            out = self.attn(normed)
+            del normed
+            if ckpt is not None:  # transformer_layer.py _forward_attention
+                ckpt.discard_output_and_register_recompute(out)
         x = x + self._dropout(out)
         del out
-        if self.kernels.orchestration == "megatron" and isinstance(self.ffn, MLP):
+        if megatron and isinstance(self.ffn, MLP):
             run = lambda x: self.ffn(x, self.ffn_norm)  # noqa: E731  (norm fused into fc1)
-            if "mlp" in self.recompute_modules:
-                out = checkpoint(run, x, use_reentrant=False)
+            if "mlp" in self.recompute_modules:  # transformer_layer.py _run_mlp
+                out = megatron_checkpoint(run, None, x)
             else:
                 out = run(x)
             return x + self._dropout(out)
-        h = self._norm(self.ffn_norm, x)
+        h, ckpt = self._norm(self.ffn_norm, x)
         if isinstance(self.ffn, MoE):
             run = lambda h: self.ffn(h, routing)  # noqa: E731
         else:
             run = self.ffn
         if ("moe" if isinstance(self.ffn, MoE) else "mlp") in self.recompute_modules:
-            out = checkpoint(run, h, use_reentrant=False)
+            # moe_layer.py MoELayer.forward / transformer_layer.py _run_mlp
+            out = (megatron_checkpoint(run, None, h) if megatron
+                   else checkpoint(run, h, use_reentrant=False))
         else:
             out = run(h)
+        if ckpt is not None:  # transformer_layer.py _apply_mlp_bda_step
+            ckpt.discard_output_and_register_recompute(out)
         return x + self._dropout(out)
 
     def _dropout(self, out: Tensor) -> Tensor:
@@ -148,7 +198,16 @@ class Block(nn.Module):
         the probability is 0 or outside training."""
         return self.kernels.dropout(out, self.hidden_dropout, self.training)
 
-    def _norm(self, norm: nn.Module, x: Tensor) -> Tensor:
-        if "layernorm" in self.recompute_modules:
-            return checkpoint(norm, x, use_reentrant=False)
-        return norm(x)
+    def _norm(self, norm: nn.Module, x: Tensor
+              ) -> tuple[Tensor, CheckpointWithoutOutput | None]:
+        """``norm(x)`` and, under ``layernorm`` recompute with a Megatron profile, the
+        ``CheckpointWithoutOutput`` whose output the caller discards once the consumer has run
+        (transformer_layer.py ``_run_input_layernorm`` / ``_forward_pre_mlp_layernorm``);
+        under another profile ``torch.utils.checkpoint`` (non-reentrant: the norm's output is
+        kept by its consumer, its statistics recomputed)."""
+        if "layernorm" not in self.recompute_modules:
+            return norm(x), None
+        if self.kernels.orchestration == "megatron":
+            ckpt = CheckpointWithoutOutput()
+            return ckpt.checkpoint(norm, x), ckpt
+        return checkpoint(norm, x, use_reentrant=False), None

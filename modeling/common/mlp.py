@@ -96,7 +96,12 @@ class MLP(nn.Module):
         if not hasattr(self, "w3"):
             return self.w2(self._activate_plain(x, norm), "row", self.sp)
         fc1 = self.w1(x, "column", self.sp, norm, fused=(self.w3,))  # (b, s, 2 * inter)
-        return self.w2(swiglu(fc1) if self.swiglu else self._activate(fc1), "row", self.sp)
+        # MLP.forward rebinds intermediate_parallel to the activation's output: fc1's output
+        # is gone before fc2 runs unless the activation saved it (it does not under no_grad:
+        # the forward of Megatron's reentrant recompute)
+        hidden = swiglu(fc1) if self.swiglu else self._activate(fc1)
+        del fc1
+        return self.w2(hidden, "row", self.sp)
 
     def _activate_plain(self, x: Tensor, norm: nn.Module | None) -> Tensor:
         """Megatron's non-gated ``MLP.forward``: fc1 (its bias returned apart), then the

@@ -48,3 +48,44 @@ def test_uniform_two_keeps_one_input_per_two_layers():
 def test_rejected_recompute_methods(kwargs, message):
     with pytest.raises(TracememError, match=message):
         estimate("deepseek-tiny", **kwargs, **TINY)
+
+
+def test_uniform_groups_keep_a_tp_share_under_distribute_saved_activations():
+    """megatron/core/recompute.py ``chunk_runner`` passes ``--distribute-saved-activations`` to
+    each group's ``tensor_parallel.checkpoint``: with uniform 2 over layers {0, 1} and {2}
+    (deepseek-tiny, 3 layers, TP 2 without SP, b 1, s 16, h 64) each group keeps its input as
+    a 1-D [16 x 64 / 2 = 512] bf16 buffer, 1,024 B, instead of [1, 16, 64] = 2,048 B."""
+    import torch
+
+    from modeling.common.routing import Balanced
+    from modeling.kernels import get_profile
+    from modeling.parallel import build_rank
+    from modeling.parallel.pp import recv_backward, recv_forward
+    from tracemem.oracle.compare import oracle_model_config
+    from tracemem.parallel import ParallelConfig
+    from tracemem.recompute import apply_recompute_method
+    from tracemem.tracer import MemoryTracer
+
+    kept = {}
+    for distribute in (False, True):
+        cfg = oracle_model_config()
+        par = ParallelConfig.create(cfg, world_size=2, tp=2)
+        model = build_rank(cfg, par, 0, dtype=torch.bfloat16, kernels=get_profile("megatron-te"))
+        for block in model.layers.values():
+            block.set_recompute("full", distribute_saved_activations=distribute)
+        apply_recompute_method(model, "uniform", 2)
+        tracer = MemoryTracer(rounding=None, devices={"meta"})
+        tracer.track_external(model)
+        with tracer:
+            x = recv_forward((1, 16, 64), torch.bfloat16)
+            out = x
+            for i in range(3):
+                out = model.layers[str(i)](out, Balanced())
+            end = len(tracer.events) - 1
+            kept[distribute] = sorted((i.nbytes, i.shape) for i in tracer.live_at(end)
+                                      if i.phase.value == "forward")
+            out.backward(recv_backward(tuple(out.shape), torch.bfloat16))
+            del out, x
+    # the group inputs (the received x, layer 1's output) and the stage's output
+    assert kept[False] == [(2048, (1, 16, 64))] * 3
+    assert kept[True] == [(1024, (512,)), (1024, (512,)), (2048, (1, 16, 64))]
