@@ -36,7 +36,7 @@ NORMALIZATIONS = ("rmsnorm", "layernorm")
 # embedding, Megatron's GPT default) and "none".
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 SCORING_FUNCS = ("softmax", "sigmoid")
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "sinkhorn")
 DTYPES = ("bfloat16", "float16", "float32")
 
 # Sizes above this are rejected: no real model is near it, and products of such sizes overflow
@@ -100,7 +100,8 @@ class ModelConfig:
     num_expert_groups: int = 1  # expert groups for group-limited routing (n_group)
     topk_group: int = 1  # groups each token may use
     scoring_func: str = "softmax"  # router scores: "softmax" or "sigmoid"
-    topk_method: str = "greedy"  # "greedy", "group_limited_greedy", "noaux_tc" (with bias)
+    topk_method: str = "greedy"  # "greedy", "group_limited_greedy", "noaux_tc" (with bias),
+    # "sinkhorn" (Megatron's --moe-router-load-balancing-type sinkhorn; megatron-te only)
     norm_topk_prob: bool = False  # renormalise the top-k weights to sum to 1
     routed_scaling_factor: float | None = 1.0  # multiplier on the routed weights; None: none
     num_mtp_modules: int = 0  # multi-token-prediction modules (DeepSeek-V3: 1)

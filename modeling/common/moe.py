@@ -13,10 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from torch.utils.checkpoint import checkpoint
+
+from modeling.common.checkpoint import CheckpointWithoutOutput, megatron_checkpoint
 from modeling.common.config import ModelConfig
 from modeling.kernels import KernelProfile, get_profile
 from modeling.common.linear import Linear
-from modeling.common.mlp import MLP
+from modeling.kernels.moe import masked_select
+from modeling.common.mlp import MLP, _ACTIVATIONS
 from modeling.parallel.collectives import all_gather, all_to_all, reduce_scatter
 from modeling.common.router import Gate, RouterSpec
 from modeling.common.routing import RoutingModel
@@ -29,40 +33,92 @@ EXPERT_KERNELS = ("grouped", "sequential")
 
 
 class GroupedExperts(nn.Module):
-    """All local experts as three stacked weights, run with one grouped GEMM each
+    """All local experts as stacked weights, run with one grouped GEMM each
     (``torch._grouped_mm``; torchtitan's ``GroupedExperts``). Input ``(sum(counts), h)``
-    sorted by expert."""
+    sorted by expert. ``gated`` (default) experts are SwiGLU, ``w2(silu(w1 x) * w3 x)``;
+    without it, ``w2(act(w1 x))`` with ``activation`` (``modeling.common.mlp.ACTIVATIONS``:
+    Megatron's GELU experts, the default activation of its GPT MoE tests), and no ``w3``."""
 
     def __init__(self, num_experts: int, dim: int, inter_dim: int,
-                 kernels: KernelProfile | None = None):
+                 kernels: KernelProfile | None = None, *, gated: bool = True,
+                 activation: str = "silu"):
         super().__init__()
         self.kernels = kernels
+        self.gated, self.activation = gated, activation
+        self.recompute_act = False  # --recompute-modules moe_act (MoE.set_recompute)
+        if gated and activation != "silu":
+            raise TracememError(f"gated experts run SwiGLU; a gated {activation!r} expert is "
+                                f"not modelled")
         # EP-sharded (dim 0: the local experts); ETP splits fc1's output, fc2's input
         fc1, fc2 = expert(tp_dim=1), expert(tp_dim=2)
         self.w1 = declare(nn.Parameter(torch.empty(num_experts, inter_dim, dim)), fc1)
         self.w2 = declare(nn.Parameter(torch.empty(num_experts, dim, inter_dim)), fc2)
-        self.w3 = declare(nn.Parameter(torch.empty(num_experts, inter_dim, dim)), fc1)
+        if gated:
+            self.w3 = declare(nn.Parameter(torch.empty(num_experts, inter_dim, dim)), fc1)
 
     def forward(self, x: Tensor, counts: list[int], probs: Tensor | None = None) -> Tensor:
         """``x`` ``(rows, h)`` sorted by expert, ``counts`` rows per local expert; under a
-        Megatron profile ``probs`` ``(rows, 1)`` fp32 are applied in the weighted SwiGLU
-        (TE ``GroupedLinear`` fc1 over [w1; w3], fc2)."""
+        Megatron profile ``probs`` ``(rows, 1)`` are applied after the activation (TE
+        ``GroupedLinear`` fc1 over [w1; w3] or w1, the activation, fc2)."""
+        fc1 = [self.w1, self.w3] if self.gated else [self.w1]
         if self.kernels is not None and self.kernels.orchestration == "megatron":
-            return _megatron_experts(self.kernels, x, probs, [self.w1, self.w3], [self.w2])
+            return _megatron_experts(self.kernels, x, probs, fc1, [self.w2],
+                                     self.gated, self.activation, self.recompute_act)
         offsets = torch.tensor(_cumsum(counts), dtype=torch.int32, device=x.device)
-        h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets))
-        h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
+        if self.recompute_act:  # moe_act: the activation product under CheckpointWithoutOutput
+            gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)
+            up = (torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
+                  if self.gated else None)
+            act = _ACTIVATIONS[self.activation]
+            ckpt = CheckpointWithoutOutput()
+            h = ckpt.checkpoint(lambda g, u: act(g) if u is None else act(g) * u, gate, up)
+            out = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
+            ckpt.discard_output_and_register_recompute(out)
+            return out
+        h = _ACTIVATIONS[self.activation](
+            torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets))
+        if self.gated:
+            h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
         return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
 
 
 def _megatron_experts(k: KernelProfile, x: Tensor, probs: Tensor, fc1: list[Tensor],
-                      fc2: list[Tensor]) -> Tensor:
-    """Megatron-Core's ``TEGroupedMLP.forward`` (megatron/core/transformer/moe/experts.py):
-    grouped fc1 ``(rows, 2 * inter)``, weighted SwiGLU ``(rows, inter)``, grouped fc2
-    ``(rows, h)``."""
+                      fc2: list[Tensor], gated: bool = True, activation: str = "silu",
+                      recompute_act: bool = False) -> Tensor:
+    """Megatron-Core's ``TEGroupedMLP.forward`` (megatron/core/transformer/moe/experts.py at
+    Megatron-LM d98e8a6): grouped fc1 ``(rows, 2 * inter)`` (gated) or ``(rows, inter)``,
+    the activation with the probabilities ``probs`` ``(rows, 1)``, grouped fc2 ``(rows, h)``.
+    Gated: the fused weighted SwiGLU (``weighted_bias_swiglu_impl``). Not gated (GELU): its
+    ``bias_act_func`` has no fused kernel for it (with ``bias_activation_fusion`` it raises
+    "Only support fusion of swiglu and quick_gelu", so Megatron's GELU MoE runs
+    ``--no-bias-gelu-fusion``) and runs ``activation_func(fc1)``, ``* permuted_probs`` (a
+    product in the probabilities' dtype: fp32 when they are) and ``.to`` the activations'
+    dtype, as torch ops.
+
+    ``recompute_act`` (``--recompute-modules moe_act``): ``bias_act_func`` runs under
+    ``CheckpointWithoutOutput`` (its inputs, fc1's output and the probabilities, are kept; its
+    output, fc2's input ``(rows, inter)``, is freed once fc2 has saved it and recomputed when
+    fc2's output gradient arrives: ``TEGroupedMLP.forward``, ``self.activation_checkpoint``)."""
     inter, h = fc2[0].shape[-1], fc2[0].shape[-2]
-    hidden = k.grouped_linear(x, fc1, 2 * inter)
-    return k.grouped_linear(k.weighted_swiglu(hidden, probs), fc2, h)
+    hidden = k.grouped_linear(x, fc1, (2 if gated else 1) * inter)
+    if recompute_act:
+        def bias_act(hidden: Tensor, probs: Tensor) -> Tensor:
+            if gated:
+                return k.weighted_swiglu(hidden, probs)
+            return (_ACTIVATIONS[activation](hidden) * probs).to(hidden.dtype)
+        ckpt = CheckpointWithoutOutput()
+        act = ckpt.checkpoint(bias_act, hidden, probs)
+        del hidden
+        out = k.grouped_linear(act, fc2, h)
+        ckpt.discard_output_and_register_recompute(out)
+        return out
+    if gated:
+        return k.grouped_linear(k.weighted_swiglu(hidden, probs), fc2, h)
+    dtype = hidden.dtype
+    act = _ACTIVATIONS[activation](hidden)
+    del hidden
+    act = (act * probs).to(dtype)
+    return k.grouped_linear(act, fc2, h)
 
 
 def _cumsum(counts: list[int]) -> list[int]:
@@ -146,20 +202,27 @@ class MoE(nn.Module):
         shared = cfg.shared_experts_width if shared_inter is None else shared_inter
         self.gate = Gate(cfg, router)
         if experts == "grouped":
-            self.experts = GroupedExperts(n, h, inter, self.kernels)
+            self.experts = GroupedExperts(n, h, inter, self.kernels, gated=cfg.gated_mlp,
+                                          activation=cfg.hidden_act)
         else:
             self.experts = nn.ModuleList(MLP(h, inter, component="routed_experts",
-                                             kind="expert", ep=True) for _ in range(n))
+                                             kind="expert", ep=True, gated=cfg.gated_mlp,
+                                             activation=cfg.hidden_act) for _ in range(n))
         overlap = (self.kernels.orchestration == "megatron"
                    and self.kernels.options["moe_shared_expert_overlap"])
+        if shared and overlap and not cfg.gated_mlp:
+            raise TracememError("shared experts without SwiGLU under "
+                                "--moe-shared-expert-overlap are not modelled")
         self.shared_experts = (MLP(h, shared, shared_sp, self.kernels, overlap,
                                    component="shared_experts", kind=shared_kind,
-                                   split=shared_split)
+                                   split=shared_split, gated=cfg.gated_mlp,
+                                   activation=cfg.hidden_act)
                                if shared else None)
         if shared_expert_gate is None:
             shared_expert_gate = cfg.shared_expert_gate
         if shared_expert_gate and not shared:
             raise TracememError("a shared-expert gate needs shared experts (their width is 0)")
+        self.recompute_shared = False  # --recompute-modules shared_experts (set_recompute)
         self.shared_expert_gate = None
         if shared_expert_gate:  # Megatron's gate_weight: replicated over TP, with the shared
             self.shared_expert_gate = declare_module(Linear(h, 1),  # experts' ZeRO group
@@ -202,7 +265,40 @@ class MoE(nn.Module):
             y = y + self._shared(x.view(shape))
         return y
 
+    def set_recompute(self, modules: frozenset[str]) -> None:
+        """Selective recompute inside the layer (``Block.set_recompute``): ``moe_act``, the
+        routed experts' activation (``CheckpointWithoutOutput``, ``_megatron_experts``);
+        ``shared_experts``, the shared experts whole (Megatron's reentrant
+        ``tensor_parallel.checkpoint``, moe_layer.py ``MoELayer.shared_experts_compute``; under
+        another profile ``torch.utils.checkpoint``).
+
+        Raises:
+            TracememError: ``moe_act`` with sequential experts, ``shared_experts`` with
+                ``moe_shared_expert_overlap`` (TransformerConfig.__post_init__'s messages).
+        """
+        grouped = isinstance(self.experts, GroupedExperts)
+        if "moe_act" in modules and not grouped:
+            raise TracememError("moe_act in recompute_modules is only supported with "
+                                "moe_grouped_gemm (--experts grouped)")
+        if "shared_experts" in modules and self.shared_experts is not None \
+                and self.shared_experts.shared_overlap:
+            raise TracememError("shared_experts recompute cannot work with "
+                                "--moe-shared-expert-overlap. (Megatron's rule: add "
+                                "--no-moe-shared-expert-overlap)")
+        if grouped:
+            self.experts.recompute_act = "moe_act" in modules
+        self.recompute_shared = "shared_experts" in modules
+
     def _shared(self, x: Tensor) -> Tensor:
+        """The shared experts on ``x`` ``(b, s_local, h)`` (``_shared_experts``), recomputed
+        in backward under ``shared_experts`` recompute."""
+        if not self.recompute_shared:
+            return self._shared_experts(x)
+        if self.kernels.orchestration == "megatron":
+            return megatron_checkpoint(self._shared_experts, None, x)
+        return checkpoint(self._shared_experts, x, use_reentrant=False)
+
+    def _shared_experts(self, x: Tensor) -> Tensor:
         """The shared experts on ``x`` ``(b, s_local, h)``, times the sigmoid gate if any
         (computed before the experts under Megatron's shared-expert overlap, else after)."""
         if self.shared_expert_gate is None:
@@ -237,15 +333,21 @@ class MoE(nn.Module):
         (``set_tensor_grad_fn_sequence_sr``: their backward runs first)."""
         k, cfg = self.kernels, self.cfg
         shape = x.shape
+        shared = self.shared_experts
+        overlap = shared is not None and shared.shared_overlap
+        # MoELayer.shared_experts_compute: without the overlap the shared experts run first
+        # and their output lives through the routed experts (postprocess adds it)
+        shared_out = self._shared(x) if shared is not None and not overlap else None
+        if k.options["moe_token_dispatcher"] == "allgather":
+            return self._forward_megatron_allgather(x, routing, shared_out)
         x = x.view(-1, shape[-1])  # (T, h)
         tokens, top_k = x.shape[0], cfg.num_experts_per_tok
         probs, routing_map, ids = self.gate.route_megatron(x, k)  # (T, E) each
-        rows = sum(self._local_counts(x, ids, routing))  # token-slots this rank's experts get
+        counts = self._local_counts(x, ids, routing)  # token-slots of each local expert
+        rows = sum(counts)
         del ids  # the router's top-k indices die with TopKRouter.routing (saved if needed)
         slots = tokens * top_k if self.ep > 1 or len(self.expert_ids) == cfg.num_routed_experts \
             else rows
-        shared = self.shared_experts
-        overlap = shared is not None and shared.shared_overlap
         if overlap:  # SharedExpertMLP.pre_forward_comm: the gate's score (--moe-shared-
             # expert-gate), then the gather (or copy_to_tensor_model_parallel_region)
             if self.shared_expert_gate is not None:
@@ -255,7 +357,8 @@ class MoE(nn.Module):
         # The variables below live as long as their namesakes in MoELayer.forward's
         # custom_forward (transformer/moe/moe_layer.py): the permuted tokens and the tokens
         # received by the all-to-all until the layer's output is made.
-        hidden_states, permuted_probs, row_id_map = k.permute(x, probs, slots)  # (slots, h)
+        hidden_states, permuted_probs, row_id_map = k.permute(x, probs, slots,  # (slots, h)
+                                                              routing_map)
         # Megatron's dispatch_preprocess also keeps probs, routing_map and row_id_map on the
         # dispatcher until the layer's next forward, across microbatches; not modelled (the
         # replay frees a microbatch's storages within its own steps): docs/validation.md
@@ -270,7 +373,8 @@ class MoE(nn.Module):
             shared_h = _BackwardStreamWait.apply(shared_h)
         # and of the probabilities (custom_forward rebinds `probs`: the permuted ones go)
         permuted_probs = _collective(all_to_all, permuted_probs, self.ep, rows // self.etp)
-        out = self._routed_experts_megatron(dispatched, permuted_probs, probs.dtype, x.dtype)
+        out = self._routed_experts_megatron(dispatched, permuted_probs, probs.dtype, x.dtype,
+                                            counts)
         out = _collective(all_to_all, out, self.ep, slots)  # token_combine
         if overlap:  # linear_fc2_forward, post_forward_comm (or reduce_from_tensor_model_...)
             _mark_first(out)
@@ -282,12 +386,65 @@ class MoE(nn.Module):
             if self.shared_expert_gate is not None:  # get_output
                 shared_out = shared_out * gate_score
             y += shared_out  # combine_postprocess: output += shared_expert_output
-        elif shared is not None:
-            y = y + self._shared(x.view(shape))
+        elif shared_out is not None:
+            y = y + shared_out  # MoELayer.postprocess
         return y
 
-    def _routed_experts_megatron(self, tokens: Tensor, probs: Tensor, probs_dtype, dtype
-                                 ) -> Tensor:
+    def _forward_megatron_allgather(self, x: Tensor, routing: RoutingModel,
+                                    shared_out: Tensor | None) -> Tensor:
+        """Megatron-Core's ``MoELayer`` with ``MoEAllGatherTokenDispatcher`` (``--moe-token-
+        dispatcher-type allgather``, Megatron's default; megatron/core/transformer/moe/
+        token_dispatcher.py at Megatron-LM d98e8a6). ``token_dispatch``: over the ETP x EP
+        group, the routing map (under ``no_grad``), the dense probabilities and the tokens are
+        all-gathered (``gather_from_sequence_parallel_region``; the tokens into Megatron's
+        global memory buffer, ``use_global_buffer=True``, which ``tracemem.workspaces``
+        counts as persistent while the trace sees the gather as a transient);
+        ``dispatch_postprocess``: the local experts' columns of the map and of the
+        probabilities (``.contiguous()`` copies), ``permute`` of the gathered tokens with the
+        local map, the local probabilities ``masked_select``-ed in expert order; the experts;
+        ``combine_preprocess``: ``unpermute`` to the gathered ``(T x ETP x EP, h)``;
+        ``token_combine``: a reduce-scatter in the probabilities' dtype, cast back;
+        ``postprocess`` adds the shared experts' output (computed first). ``x`` ``(b,
+        s_local, h)``; returns the same shape. The dispatcher's ``local_map`` / ``local_probs``
+        / permutation map, kept on it until the next forward, are not kept here (as for the
+        alltoall dispatcher)."""
+        k = self.kernels
+        shape = x.shape
+        x = x.view(-1, shape[-1])  # (T, h)
+        probs, routing_map, ids = self.gate.route_megatron(x, k)  # (T, E) each
+        counts = self._local_counts(x, ids, routing)  # token-slots of each local expert
+        rows = sum(counts)
+        del ids
+        group = self.etp * self.ep  # tp_ep_group: expert TP x EP
+        hidden = x
+        if group > 1:
+            with torch.no_grad():
+                routing_map = all_gather(routing_map, group, dim=0)  # (T * group, E)
+            probs = all_gather(probs, group, dim=0)
+            hidden = all_gather(x, group, dim=0)  # (T * group, h)
+        gathered = hidden.shape[0]
+        first, stop = self.expert_ids.start, self.expert_ids.stop
+        local_map = routing_map[:, first:stop].contiguous()  # (T * group, E_local) bool
+        local_probs = probs[:, first:stop].contiguous()
+        del routing_map, probs
+        permuted, _, mapping = k.permute(hidden, None, rows, local_map)  # (rows, h)
+        del hidden
+        local_probs = masked_select(local_probs.T.contiguous(), local_map.T.contiguous(),
+                                    rows)  # (rows,)
+        probs_col = local_probs.unsqueeze(-1)
+        out = self._experts_megatron(permuted, probs_col, counts)  # (rows, h)
+        del permuted, probs_col
+        out = k.unpermute(out, mapping, gathered)  # (T * group, h)
+        del mapping, local_map
+        if group > 1:  # token_combine
+            out = reduce_scatter(out.to(local_probs.dtype), group, dim=0).to(x.dtype)
+        y = out.view(shape)
+        if shared_out is not None:
+            y = y + shared_out
+        return y
+
+    def _routed_experts_megatron(self, tokens: Tensor, probs: Tensor, probs_dtype, dtype,
+                                 counts: list[int]) -> Tensor:
         """``MoELayer.routed_experts_compute``: ``dispatch_postprocess`` (gather over expert
         TP, chunk sort), the experts, ``combine_preprocess`` (chunk unsort, then the expert-TP
         reduce-scatter in ``probs_dtype``, cast back to ``dtype``). ``tokens`` ``(rows /
@@ -300,19 +457,50 @@ class MoE(nn.Module):
         if several:  # sort the received chunks by local expert
             tokens, probs = k.sort_chunks(tokens, probs)
         probs_col = probs.unsqueeze(-1)  # (rows, 1)
-        if isinstance(self.experts, GroupedExperts):
-            expert_output = self.experts(tokens, [], probs_col)  # (rows, h)
-        else:  # one Linear per expert: the same TE GroupedLinear over their weights
-            expert_output = _megatron_experts(k, tokens, probs_col,
-                                              [w for e in self.experts
-                                               for w in (e.w1.weight, e.w3.weight)],
-                                              [e.w2.weight for e in self.experts])
-        del tokens, probs, probs_col
+        expert_output = self._experts_megatron(tokens, probs_col, counts)  # (rows, h)
+        # dispatched_input and permuted_probs stay bound in routed_experts_compute through
+        # combine_preprocess (the unsort, fp32 cast and reduce-scatter): it matters where
+        # nothing saved them, in the no_grad forward of full or moe recompute
         out = expert_output
         if several:  # combine_preprocess: unsort
             out, _ = k.sort_chunks(out)
         if self.etp > 1:  # reduce-scatter in the probabilities' dtype
             out = reduce_scatter(out.to(probs_dtype), self.etp, dim=0).to(dtype)
+        return out
+
+
+    def _experts_megatron(self, tokens: Tensor, probs_col: Tensor, counts: list[int]
+                          ) -> Tensor:
+        """The local experts on ``tokens`` ``(rows, h)`` sorted by expert, ``counts`` rows
+        each, probabilities ``probs_col`` ``(rows, 1)``: ``TEGroupedMLP`` (grouped experts)
+        or Megatron's ``SequentialMLP`` (``--moe-grouped-gemm`` off; megatron/core/
+        transformer/moe/experts.py at Megatron-LM d98e8a6): one expert: its ``MLP`` on all
+        rows; several: ``torch.split`` by count (views), each expert's ``MLP`` (megatron/core/
+        transformer/mlp.py ``MLP.forward`` with ``per_token_scale``: TE fc1, the activation
+        with the probabilities as in ``TEGroupedMLP``, TE fc2; experts' linears do no TP
+        communication, ``explicit_expert_comm``) and ``torch.cat`` of their outputs, a new
+        ``(rows, h)`` buffer (the per-expert outputs die with it: ``CatBackward0`` keeps
+        sizes)."""
+        if isinstance(self.experts, GroupedExperts):
+            return self.experts(tokens, [], probs_col)
+        gated, act = self.cfg.gated_mlp, self.cfg.hidden_act
+        k = self.kernels
+
+        def run(expert, x, p):
+            fc1 = [expert.w1.weight, expert.w3.weight] if gated else [expert.w1.weight]
+            hidden = k.linear(x, fc1, "duplicated", 1)
+            if gated:
+                hidden = k.weighted_swiglu(hidden, p)
+            else:
+                dtype = hidden.dtype
+                hidden = (_ACTIVATIONS[act](hidden) * p).to(dtype)
+            return k.linear(hidden, [expert.w2.weight], "duplicated", 1)
+        if len(self.experts) == 1:
+            return run(self.experts[0], tokens, probs_col)
+        outs = [run(e, x, p) for e, x, p in zip(self.experts, tokens.split(counts),
+                                                probs_col.split(counts))]
+        out = torch.cat(outs, dim=0)
+        del outs
         return out
 
 

@@ -68,6 +68,8 @@ class RouterSpec:
             ``topk``'s own values (Hugging Face Qwen-MoE, Mixtral); ``gather`` saves its whole
             ``(T, E)`` input for backward. Bias-corrected or group-limited selection always
             gathers (the selection scores are not the weights).
+        sinkhorn: Megatron's Sinkhorn load balancing (``--moe-router-load-balancing-type
+            sinkhorn``; ``Gate.route_megatron``), Megatron profiles only.
 
     Raises:
         TracememError: an unknown score function, k above E, groups that do not divide E.
@@ -84,6 +86,7 @@ class RouterSpec:
     correction_bias: bool = False
     scaling_factor: float | None = None
     gather: bool = False
+    sinkhorn: bool = False
 
     def __post_init__(self) -> None:
         if self.scoring_func not in SCORING_FUNCS:
@@ -107,9 +110,11 @@ class RouterSpec:
                    pre_softmax=cfg.router_pre_softmax,
                    norm_topk_prob=cfg.norm_topk_prob,
                    num_expert_groups=cfg.num_expert_groups, topk_group=cfg.topk_group,
-                   group_limited=cfg.topk_method != "greedy" and cfg.num_expert_groups > 1,
+                   group_limited=cfg.topk_method not in ("greedy", "sinkhorn")
+                   and cfg.num_expert_groups > 1,
                    correction_bias=cfg.has_correction_bias,
-                   scaling_factor=cfg.routed_scaling_factor, gather=cfg.router_gather)
+                   scaling_factor=cfg.routed_scaling_factor, gather=cfg.router_gather,
+                   sinkhorn=cfg.topk_method == "sinkhorn")
 
     @property
     def megatron_pre_softmax(self) -> bool:
@@ -142,6 +147,9 @@ class Gate(nn.Module):
 
     def forward(self, x: Tensor, kernels: KernelProfile | None = None) -> tuple[Tensor, Tensor]:
         megatron = kernels is not None and kernels.orchestration == "megatron"
+        if self.spec.sinkhorn:
+            raise TracememError("Sinkhorn routing (Megatron's --moe-router-load-balancing-type "
+                                "sinkhorn) runs under the megatron-te kernel profile only")
         if megatron:
             logits = kernels.router_logits(x, self.weight)  # (T, E) fp32
         else:
@@ -198,7 +206,9 @@ class Gate(nn.Module):
         ``probs``, ``routing_map`` and the top-k ids ``(T, k)`` int64 (held against
         megatron-core by ``tracemem validate --against megatron-core``)."""
         spec = self.spec
-        logits = kernels.router_logits(x, self.weight)  # (T, E) fp32
+        logits = kernels.router_logits(x, self.weight)  # (T, E), the router dtype
+        if spec.sinkhorn:
+            return self._megatron_sinkhorn(logits)
         if spec.scoring_func == "softmax":
             if spec.megatron_pre_softmax:
                 scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
@@ -220,6 +230,36 @@ class Gate(nn.Module):
         routing_probs = torch.zeros_like(logits).scatter(1, ids, probs)
         routing_map = torch.zeros_like(logits).int().scatter(1, ids, 1).bool()
         return routing_probs, routing_map, ids
+
+    def _megatron_sinkhorn(self, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``TopKRouter.sinkhorn_load_balancing`` in training (megatron/core/transformer/moe/
+        router.py at Megatron-LM d98e8a6): under ``no_grad`` the top-k of ``sinkhorn(logits
+        in fp32)`` (moe_utils.py ``sinkhorn``), then the activation of the logits (sigmoid for
+        k = 1, else an fp32 softmax cast back), the 0/1 map scattered from the top-k, and
+        ``probs = activation * map`` (``(T, E)``, which saves the bool map). Sinkhorn's loop
+        runs until its error is below a tolerance, a count that depends on the values; every
+        iteration allocates the same ``(T, E)`` and ``(T,)`` / ``(E,)`` temporaries and drops
+        the previous ones, so one iteration here has the loop's memory (its peak is the
+        same)."""
+        top_k = self.spec.top_k
+        with torch.no_grad():
+            cost = torch.exp(logits.to(dtype=torch.float32))  # (T, E)
+            d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
+            d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
+            d1_old, eps = d1, 0.00000001
+            d0 = (1 / d0.size(0)) * 1 / (torch.sum(d1 * cost, 1) + eps)
+            d1 = (1 / d1.size(0)) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+            error = torch.mean(torch.abs(d1_old - d1))  # the loop's test (one iteration)
+            norm_logits = d1 * cost * d0.unsqueeze(1)
+            del cost, d0, d1, d1_old, error
+            _, ids = torch.topk(norm_logits, k=top_k, dim=1)
+            del norm_logits
+        if top_k == 1:
+            activated = torch.sigmoid(logits)
+        else:
+            activated = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+        routing_map = torch.zeros_like(activated).int().scatter(1, ids, 1).bool()
+        return activated * routing_map, routing_map, ids
 
     def _megatron_topk(self, scores: Tensor) -> tuple[Tensor, Tensor]:
         """``topk_routing_with_score_function``'s ``compute_topk``: ``group_limited_topk``
