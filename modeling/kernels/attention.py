@@ -16,6 +16,10 @@
   returns ``aux_ctx_tensors = [softmaxStats, rng_state]`` whatever ``dropout`` is (backward
   regenerates the mask from the ``[seed, offset]`` rng state), and ``FusedAttnFunc`` saves
   exactly those.
+- megatron-te, "flash" with the profile option ``attention_backend`` "flash": TE
+  ``DotProductAttention`` with its FlashAttention backend and flash-attn 2
+  (``te_flash_attention``: Megatron's ``--attention-backend flash``); "auto" resolves per GPU
+  architecture (``te_auto_attention_backend``).
 - megatron-te, "unfused" and "local": the unfused attention of Megatron's ``--attention-backend
   unfused`` (TE's ``UnfusedDotProductAttention``) and ``--attention-backend local``
   (Megatron-Core's ``DotProductAttention``): ``megatron_unfused_attention``.
@@ -26,12 +30,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from modeling.kernels.dropout import torch_dropout
+from tracemem.errors import TracememError
 
-__all__ = ["eager_attention", "sdpa_attention", "te_fused_attention", "megatron_unfused_attention",
-           "UNFUSED_IMPLS"]
+__all__ = ["eager_attention", "sdpa_attention", "te_fused_attention", "te_flash_attention",
+           "te_auto_attention_backend", "flash_mha_bwd_scratch", "TE_ATTENTION_BACKENDS",
+           "megatron_unfused_attention", "UNFUSED_IMPLS"]
 
 
 def eager_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout: float = 0.0,
@@ -83,6 +90,160 @@ def te_fused_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         q, k, v = (t.contiguous() for t in (q, k, v))
     out = _TEFusedAttention.apply(q, k, v)
     return out.view(*out.shape[:2], -1)
+
+
+# ------------------------------------------------------------------------------------------------
+# TE's FlashAttention backend (Megatron's --attention-backend flash) over flash-attn 2
+
+# the megatron-te option attention_backend: which TE DotProductAttention backend runs
+# Megatron's causal self-attention ("auto": te_auto_attention_backend)
+TE_ATTENTION_BACKENDS = ("fused", "flash", "auto")
+
+
+def te_auto_attention_backend(arch: tuple[int, int] | None, flash_attn: bool | None = None) -> str:
+    """The backend TE d0067d0 picks under Megatron's ``--attention-backend auto`` (NVTE_FLASH_ATTN,
+    NVTE_FUSED_ATTN, NVTE_UNFUSED_ATTN all 1) for Megatron's GPT attention (causal, sbhd, bf16,
+    no bias, no FP8, head dims up to 128, MLA's 192 / 128), on a GPU of compute capability
+    ``arch`` (None: not known), with flash-attn 2 installed (``flash_attn`` True), not
+    installed (False) or not known (None). Returns "fused" or "flash".
+
+    ``attention/dot_product_attention/utils.py`` ``get_attention_backend``: both backends
+    support these inputs on sm80, sm90 and sm100 (the fused one given a cuDNN that does:
+    ``common/fused_attn/fused_attn.cpp`` ``nvte_get_fused_attn_backend``, not checked here),
+    so the choice is its last two steps:
+    FlashAttention is available only if a flash-attn it accepts is installed ("All available
+    backends": ``FlashAttentionUtils.is_installed``, 2.1.1 <= version < 2.8.4; FA3 only on
+    sm90; FA4 not on sm80), and "Select FusedAttention for performance" drops FlashAttention
+    whenever both are available and ``device_compute_capability >= (9, 0)``. So sm90 and
+    sm100 run fused whatever is installed; sm80 runs flash-attn 2 if it is installed, else
+    fused. Whether the Megatron-CI containers have flash-attn cannot be read from Megatron-LM's
+    source (d98e8a6: not in ``uv.lock`` nor installed by ``docker/Dockerfile.ci.dev``; it would
+    come from the NGC base image), so "not known" keeps fused (the profile's default) on sm80
+    too, as on an unknown GPU.
+
+    Not modelled: with TE's ``deterministic`` (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, which
+    Megatron's deterministic CI cases set, or ``torch.are_deterministic_algorithms_enabled()``)
+    ``get_attention_backend`` drops the fused F16_arbitrary_seqlen sub-backend in training
+    below sm90 ("Filter: Determinism"), so sm80 then runs flash-attn if installed, else TE's
+    unfused attention.
+    """
+    if arch is None or arch >= (9, 0) or not flash_attn:
+        return "fused"
+    return "flash"
+
+
+def _round(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def flash_mha_bwd_scratch(q: Tensor, b: int, sq: int, skv: int, h: int, g: int, d: int,
+                          d_v: int) -> None:
+    """What flash-attn 2's ``mha_bwd`` (``csrc/flash_attn/flash_api.cpp``, v2.8.3) allocates
+    beside the dq, dk, dv it is given, freed at its return: ``softmax_d`` ``[b, h,
+    round(sq, 128)]`` fp32, ``dq_accum`` ``[b, round(sq, 128), h, round(d, 32 if d <= 128 else
+    64)]`` fp32 (the non-deterministic path), and for GQA (g < h) ``dk_expanded``,
+    ``dv_expanded`` ``[b, skv, h, d]`` in q's dtype (summed into dk, dv by ``at::sum_out``)."""
+    sq_r = _round(sq, 128)
+    scratch = [torch.empty((b, h, sq_r), dtype=torch.float32, device=q.device),
+               torch.empty((b, sq_r, h, _round(d, 32 if d <= 128 else 64)),
+                           dtype=torch.float32, device=q.device)]
+    if g != h:
+        scratch += [q.new_empty((b, skv, h, d)), q.new_empty((b, skv, h, d_v))]
+    del scratch
+
+
+class _FlashAttnFunc(torch.autograd.Function):
+    """flash-attn 2.8.3 ``flash_attn_interface.py`` ``FlashAttnFunc`` (``flash_attn_func``,
+    which TE calls for bshd / sbhd without padding) on bshd ``q`` ``(b, s, h, d)``, ``k``,
+    ``v`` ``(b, s, g, d)``, head dims equal and multiples of 8 (no ``F.pad`` of its own).
+
+    Forward: ``_flash_attn_forward`` -> ``flash_api.cpp`` ``mha_fwd``: ``out =
+    torch::empty_like(q)``, ``softmax_lse`` ``[b, h, s]`` fp32, ``p`` ``torch::empty({0})``
+    (no ``return_softmax``: no bytes), ``rng_state`` ``[2]`` int64; ``ctx.save_for_backward(q,
+    k, v, out_padded, softmax_lse, rng_state)``; returns ``out_padded[..., :d]`` (the same
+    storage). Backward: ``dq, dk, dv = torch.empty_like(q), ..._like(k), ..._like(v)``, then
+    ``mha_bwd``'s scratch (``flash_mha_bwd_scratch``). Attention dropout keeps nothing more
+    (the mask is regenerated from ``rng_state``)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        b, s, h, _ = q.shape
+        out = torch.empty_like(q)
+        softmax_lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+        rng_state = torch.empty((2,), dtype=torch.int64, device=q.device)
+        ctx.save_for_backward(q, k, v, out, softmax_lse, rng_state)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, *_ = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        b, sq, h, d = q.shape
+        flash_mha_bwd_scratch(q, b, sq, k.shape[1], h, k.shape[2], d, v.shape[-1])
+        return dq, dk, dv
+
+
+def te_flash_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """TE's FlashAttention backend with flash-attn 2 (Megatron's ``--attention-backend flash``
+    sets NVTE_FLASH_ATTN=1, NVTE_FUSED_ATTN=0, NVTE_UNFUSED_ATTN=0: Megatron-LM d98e8a6
+    ``megatron/core/models/common/language_module/language_module.py``
+    ``LanguageModule._set_attention_backend``) on ``q``, ``k`` ``(b, s, n, d_qk)`` and ``v``
+    ``(b, s, n_kv, d_v)`` (Megatron's ``[s, b, n, d]``, b-major here; k and v may have fewer
+    heads); returns ``(b, s, n * d_v)``. TE d0067d0, in order:
+
+    - ``dot_product_attention.py`` ``DotProductAttention.forward``: ``get_qkv_layout`` makes
+      strided inputs contiguous (as ``te_fused_attention``); for MLA (d_qk != d_v) with
+      flash-attn 2, ``_pad_qkv_head_dim`` pads the narrower of q / k and v to max(d_qk, d_v)
+      with ``F.pad`` (new tensors; MLA's v). These are its locals, alive to its return;
+    - ``backends.py`` ``FlashAttention.forward``: sbhd to bshd, ``x.transpose(0,
+      1).contiguous()`` for each of q, k, v: a same-shape copy in the b-major relabelling, and
+      no copy at b = 1 (``[s, 1, ...]`` transposed is already contiguous). Its
+      ``_PrepareQKVForFA`` (one ``[3, b, s, n, d]`` buffer) needs the packed ``sbh3d`` layout,
+      which the copies above never leave (docs/kernels.md, "Not emulated");
+    - flash-attn's ``FlashAttnFunc`` (``_FlashAttnFunc``): saves the bshd q, k, v, its ``out``
+      ``(b, s, n, d)``, ``softmax_lse`` and ``rng_state``;
+    - ``output.view(b, s, -1).transpose(0, 1)`` then ``.contiguous()``: the sbhd output, a copy
+      of the saved bshd ``out`` (none at b = 1), which ``linear_proj`` then saves;
+    - MLA: ``_trim_output`` reshapes to ``[..., n, d_qk]``, slices ``d_v`` and reshapes back:
+      a copy ``(b, s, n * d_v)``.
+
+    Backward: the copies' backward passes gradients through (views in TE; the strided
+    ``dout`` has a contiguous last dimension, so flash-attn's ``maybe_contiguous`` copies
+    nothing), then flash-attn's (``_FlashAttnFunc``). Not modelled: flash-attn 3 (Hopper; TE
+    prefers the fused backend there under ``auto``: ``te_auto_attention_backend``), the
+    split-KV forward accumulators of ``mha_fwd`` (``set_params_splitkv``: ``[splits, b, n,
+    s]`` and ``[splits, b, n, s, round(d, 32)]`` fp32, freed at its return, when attention
+    dropout is 0 and b * n * ceil(s / 64) < 0.8 * 2 * the GPU's SM count), and the
+    deterministic backward's ``dq_accum`` (``torch::zeros({ceil(SMs / (b * n)), b, ...})``
+    under NVTE_ALLOW_NONDETERMINISTIC_ALGO=0): both depend on the GPU's SM count.
+
+    Raises:
+        TracememError: head dims flash-attn 2 does not take (TE's ``get_attention_backend``
+            drops FlashAttention 2 when max(d_qk, d_v) > 256 or is not a multiple of 8).
+    """
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    b, s, n, d_qk = q.shape
+    d_v = v.shape[-1]
+    d = max(d_qk, d_v)
+    if d > 256 or d % 8:
+        raise TracememError(f"TE's FlashAttention backend (--attention-backend flash) takes head "
+                            f"dims up to 256 and a multiple of 8 (flash-attn 2); got d_qk {d_qk}, "
+                            f"d_v {d_v}: use --attention-backend fused")
+    if d_qk < d:  # _pad_qkv_head_dim
+        q, k = F.pad(q, (0, d - d_qk)), F.pad(k, (0, d - d_qk))
+    if d_v < d:
+        v = F.pad(v, (0, d - d_v))
+    caller = (q, k, v)  # DotProductAttention.forward's locals: alive to its return
+    if b > 1:  # FlashAttention.forward: sbhd -> bshd, three copies
+        q, k, v = (t.clone() for t in (q, k, v))
+    out = _FlashAttnFunc.apply(q, k, v).view(b, s, -1)  # (b, s, n * d), saved
+    if b > 1:  # bshd -> sbhd, contiguous: a copy
+        out = out.clone()
+    if d_v < d:  # _trim_output: [..., :d_v] of (b, s, n, d), reshaped: a copy
+        out = out.view(b, s, n, d)[..., :d_v].reshape(b, s, -1)
+    del caller
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from modeling.common.checkpoint import megatron_checkpoint
 from modeling.common.attention.mla import check_attention_kernel
 from modeling.common.config import ModelConfig
 from modeling.common.linear import Linear
@@ -57,7 +58,9 @@ class GQA(nn.Module):
             sequence before the column-parallel q, k, v projections and the output
             reduce-scattered after the row-parallel ``wo``; with CP keys and values are
             all-gathered across the CP group before attention (the all-gather variant of
-            context parallelism, as ``MLA`` does).
+            context parallelism, as ``MLA`` does), except under megatron-te with
+            ``cp_comm_type`` "p2p": TE's ring attention (``modeling.kernels.
+            context_parallel``) in place of the gather and the fused attention.
         kernels: the ``modeling.kernels`` profile. Under ``megatron-te`` the forward is
             Megatron-Core's ``SelfAttention`` with the TE layer spec (Megatron-LM d98e8a6,
             megatron/core/transformer/attention.py ``SelfAttention.__init__`` and
@@ -163,11 +166,20 @@ class GQA(nn.Module):
             key = kern.rope_bshd(key, self.inv_freq)  # (b, s, n_kv_local, d)
         # value stays a strided slice of linear_qkv's output: TE's fused attention copies it
         # (modeling.kernels.attention.te_fused_attention, get_qkv_layout)
+        if self.cp > 1 and getattr(kern, "cp_ring", False):
+            # --cp-comm-type p2p: TE's ring attention passes K and V round the CP group
+            if "core_attn" in self.recompute:
+                out = megatron_checkpoint(kern.ring_attention, None, query, key, value,
+                                          self.cp)  # attention.py: reentrant
+            else:
+                out = kern.ring_attention(query, key, value, self.cp)
+            return self.wo(out, "row", self.sp)  # (b, s / (cp * sp), h)
         # CP: every rank needs all keys and values (all-gather variant of context parallelism)
         key, value = all_gather(key, self.cp, dim=1), all_gather(value, self.cp, dim=1)
         if "core_attn" in self.recompute:
-            out = checkpoint(kern.core_attention, query, key, value, self.scale,
-                             self.attention, self._dropout, use_reentrant=False)
+            # transformer/attention.py _checkpointed_attention_forward: reentrant
+            out = megatron_checkpoint(kern.core_attention, None, query, key, value,
+                                      self.scale, self.attention, self._dropout)
         else:
             out = kern.core_attention(query, key, value, self.scale, self.attention,
                                       self._dropout)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from modeling.common.checkpoint import CheckpointWithoutOutput, megatron_checkpoint
 from modeling.common.config import ModelConfig
 from modeling.kernels import KernelProfile, get_profile
 from modeling.common.linear import Linear
@@ -83,7 +84,9 @@ class MLA(nn.Module):
             along the sequence and saved by the up projections at full length (Megatron-Core
             saves them sharded and all-gathers again in backward; arXiv 2502.07846 counts them
             at full length, "2bs(d_cq + d_c) undivided by SP"). With CP, K and V are
-            all-gathered across the CP group before attention.
+            all-gathered across the CP group before attention; under megatron-te with
+            ``cp_comm_type`` "p2p", TE's ring attention (``modeling.kernels.
+            context_parallel``) runs instead.
 
         kernels: the ``modeling.kernels`` profile. Under ``megatron-te`` the forward is
             Megatron-Core's ``MLASelfAttention`` (megatron/core/transformer/
@@ -207,24 +210,37 @@ class MLA(nn.Module):
         # gather_from_sequence_parallel_region (a contiguous input for the collective)
         k_pos_emb = all_gather(k_pos_emb.contiguous() if self.sp > 1 else k_pos_emb, self.sp,
                                dim=1)  # (b, s / cp, d_r)
-        if "mla_up_proj" in self.recompute:
-            out = checkpoint(self._up_proj_megatron, q_compressed, kv_compressed, k_pos_emb,
-                             use_reentrant=False)
-        else:
-            out = self._up_proj_megatron(q_compressed, kv_compressed, k_pos_emb)
-        return self.wo(out, "row", self.sp)  # (b, s_local, h)
-
-    def _up_proj_megatron(self, q_compressed: Tensor, kv_compressed: Tensor,
-                          k_pos_emb: Tensor) -> Tensor:
         # get_query_key_value_tensors returns before core attention runs, so the up
         # projections' outputs (not saved by anyone) are freed before it
-        query, key, value = self._qkv_megatron(q_compressed, kv_compressed, k_pos_emb)
+        if "mla_up_proj" in self.recompute:
+            # the up projections and RoPE under CheckpointWithoutOutput: query, key and value
+            # are freed once core attention has saved them, and recomputed when the gradient
+            # of core attention's output arrives (multi_latent_attention.py
+            # get_query_key_value_tensors, forward: discard_output_and_register_recompute)
+            ckpt = CheckpointWithoutOutput()
+            out = self._attention_megatron(*ckpt.checkpoint(
+                self._qkv_megatron, q_compressed, kv_compressed, k_pos_emb))
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = self._attention_megatron(
+                *self._qkv_megatron(q_compressed, kv_compressed, k_pos_emb))
+        return self.wo(out, "row", self.sp)  # (b, s_local, h)
+
+    def _attention_megatron(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """Core attention; with ``core_attn`` recompute under Megatron's reentrant
+        ``tensor_parallel.checkpoint`` (transformer/attention.py
+        ``_checkpointed_attention_forward``)."""
+        k = self.kernels
+        if self.cp > 1 and getattr(k, "cp_ring", False):
+            # --cp-comm-type p2p: TE's ring attention passes K and V round the CP group
+            if "core_attn" in self.recompute:
+                return megatron_checkpoint(k.ring_attention, None, query, key, value, self.cp)
+            return k.ring_attention(query, key, value, self.cp)
         # CP: every rank needs all keys and values (all-gather variant of context parallelism)
         key, value = all_gather(key, self.cp, dim=1), all_gather(value, self.cp, dim=1)
-        k = self.kernels
         if "core_attn" in self.recompute:
-            return checkpoint(k.core_attention, query, key, value, self.scale, self.attention,
-                              self._dropout, use_reentrant=False)
+            return megatron_checkpoint(k.core_attention, None, query, key, value, self.scale,
+                                       self.attention, self._dropout)
         return k.core_attention(query, key, value, self.scale, self.attention, self._dropout)
 
     def _qkv_megatron(self, q_compressed: Tensor, kv_compressed: Tensor,

@@ -171,7 +171,9 @@ def test_profiles_validate_names_and_options():
     assert get_profile("megatron-te").options == {
         "te_version": "2.18", "gradient_accumulation_fusion": True,
         "moe_shared_expert_overlap": True, "cross_entropy_fusion": "te",
-        "masked_softmax_fusion": True}
+        "moe_permute_fusion": True, "moe_token_dispatcher": "alltoall",
+        "moe_router_dtype": "fp32", "masked_softmax_fusion": True,
+        "cp_comm_type": "allgather", "attention_backend": "fused"}
     with pytest.raises(TracememError, match="--kernels 'te' is invalid; choose one of "
                                             "megatron-te, torch, eager"):
         get_profile("te")
@@ -201,3 +203,104 @@ def test_delayed_wgrad_keeps_the_gathered_input_and_output_gradient_until_w():
     # (1, 6, 16) 192 B, kept for W
     assert kept == [48, 96, 192]
     assert sorted(i.nbytes for i in tracer.live_at("now") if i.phase.value != "external") == [48]
+
+
+# --- Megatron's unfused token permutation, GELU experts, Sinkhorn routing --------------------
+# moe_utils.py permute / unpermute (fused=False), experts.py TEGroupedMLP.forward's
+# bias_act_func without fusion, router.py TopKRouter.sinkhorn_load_balancing (Megatron-LM
+# d98e8a6), read by hand; autograd's saved tensors from torch 2.13's derivatives
+# (IndexBackward0 saves the indices, IndexSelectBackward0 the index, MulBackward0 the other
+# operand of each input that needs a gradient, SigmoidBackward0 its result).
+
+
+def test_unfused_permute_keeps_the_int64_argsort_and_the_sorted_indices():
+    from modeling.kernels.moe import megatron_permute
+    tokens, experts, slots, h = 4, 3, 8, 8  # top-2: 8 token-slots
+
+    def fn(x, probs, routing_map):
+        permuted, permuted_probs, _ = megatron_permute(x, routing_map, slots, probs)
+        return permuted * permuted_probs.unsqueeze(-1)  # (8, 8) fp32
+    x, probs = leaf(tokens, h), leaf(tokens, experts, dtype=F32)
+    routing_map = torch.empty((tokens, experts), dtype=torch.bool, device="meta")
+    forward, kept, _ = run(fn, [x, probs, routing_map])
+    # routing_map.T.contiguous() (3, 4) bool; argsort of its 12 entries: (12,) int64;
+    # flat_sorted[:8] % 4: sorted_indices (8,) int64; probs.T.contiguous() (3, 4) fp32,
+    # indexed: (8,) fp32; index_select: (8, 8) bf16; the product: the output
+    assert ((3, 4), torch.bool, "temporary") in forward
+    assert ((3, 4), F32, "temporary") in forward
+    # kept: the argsort's storage (indexing saves the view flat_sorted), sorted_indices
+    # (index_select saves it), and the product's operands (both need gradients)
+    assert kept == _sorted([((12,), torch.int64), ((8,), torch.int64), ((8, 8), BF16),
+                            ((8,), F32)])
+
+
+def test_unfused_unpermute_scatters_into_a_zero_buffer_and_keeps_nothing_new():
+    from modeling.kernels.moe import megatron_unpermute
+    sorted_indices = torch.empty((8,), dtype=torch.int64, device="meta")
+    forward, kept, backward = run(lambda y: megatron_unpermute(y, sorted_indices, 4),
+                                  [leaf(8, 6)], externals=[sorted_indices])
+    assert forward == [((4, 6), BF16, "temporary")]  # torch.zeros; .to(bf16) is a no-op
+    assert kept == []  # scatter_add_ saves the index: the caller's sorted_indices
+    assert backward == [((8, 6), BF16, "gradient")]  # gather of the output gradient
+
+
+def test_gelu_experts_keep_fc1_out_the_gelu_and_its_bf16_cast_the_fp32_product_is_transient():
+    from modeling.common.moe import _megatron_experts
+    kern = get_profile("megatron-te", gradient_accumulation_fusion=True)
+    rows, h, inter = 6, 4, 8
+    w1, w2 = leaf(1, inter, h), leaf(1, h, inter)
+
+    def fn(x, probs):
+        return _megatron_experts(kern, x, probs, [w1], [w2], gated=False, activation="gelu")
+    forward, kept, _ = run(fn, [leaf(rows, h), leaf(rows, 1, dtype=F32)], externals=[w1, w2])
+    # fc1 (6, 8) bf16; F.gelu (6, 8) bf16; * probs (6, 1) fp32: (6, 8) fp32; .to(bf16)
+    # (6, 8) bf16; fc2: the output (6, 4) bf16
+    assert [f[:2] for f in forward] == [((6, 8), BF16), ((6, 8), BF16), ((6, 8), F32),
+                                        ((6, 8), BF16), ((6, 4), BF16)]
+    # gelu saves fc1's output, the product saves the gelu output (for the probabilities'
+    # gradient), fc2 saves the cast; the fp32 product dies with the cast
+    assert kept == _sorted([((6, 8), BF16)] * 3)
+
+
+def test_sinkhorn_routing_keeps_the_activation_and_the_bool_map():
+    from types import SimpleNamespace
+
+    from modeling.common.router import Gate, RouterSpec
+    tokens, h = 4, 8
+    with torch.device("meta"):
+        gate = Gate(SimpleNamespace(hidden_size=h),
+                    RouterSpec(num_experts=3, top_k=1, sinkhorn=True)).to(BF16)
+    kern = get_profile("megatron-te")
+    forward, kept, _ = run(lambda x: gate.route_megatron(x, kern)[0], [leaf(tokens, h)],
+                           externals=[gate.weight])
+    # fp32 logits (4, 3) (the router GEMM saves x and the weight: the caller's); under
+    # no_grad exp (4, 3) and Sinkhorn's temporaries, freed; the top-1 ids (4, 1) int64;
+    # sigmoid (4, 3) fp32; the map (4, 3) int32 then bool; the product: the output.
+    # Kept: the sigmoid's result (SigmoidBackward0 saves it; the logits die) and the bool
+    # map (the product saves it for the activation's gradient)
+    assert kept == _sorted([((4, 3), F32), ((4, 3), torch.bool)])
+    assert ((4, 3), torch.int32, "temporary") in forward
+
+
+def test_sequential_experts_run_one_te_linear_pair_each_and_concatenate():
+    # experts.py SequentialMLP.forward: split by count (views), each expert's MLP.forward
+    # with per_token_scale (TE fc1, F.gelu, * probs, .to(bf16), TE fc2), torch.cat
+    from types import SimpleNamespace
+
+    from modeling.common.mlp import MLP
+    from modeling.common.moe import MoE
+    h, f = 4, 8
+    with torch.device("meta"):
+        experts = nn.ModuleList(MLP(h, f, component="routed_experts", kind="expert", ep=True,
+                                    gated=False, activation="gelu") for _ in range(2)).to(BF16)
+    layer = SimpleNamespace(experts=experts, kernels=get_profile("megatron-te"),
+                            cfg=SimpleNamespace(gated_mlp=False, hidden_act="gelu"))
+    weights = [p for p in experts.parameters()]
+    forward, kept, _ = run(lambda x, p: MoE._experts_megatron(layer, x, p, [2, 4]),
+                           [leaf(6, h), leaf(6, 1, dtype=F32)], externals=weights)
+    per_expert = lambda c: [((c, f), BF16), ((c, f), BF16), ((c, f), F32), ((c, f), BF16),
+                            ((c, h), BF16)]
+    assert [a[:2] for a in forward] == per_expert(2) + per_expert(4) + [((6, h), BF16)]
+    # kept: fc1's output, the GELU output, the bf16 cast of each expert (2 and 4 rows); the
+    # experts' fc2 outputs die with the concatenation (the output)
+    assert kept == _sorted([((2, f), BF16)] * 3 + [((4, f), BF16)] * 3)
