@@ -1,10 +1,14 @@
-"""Megatron-Core itself as the oracle (issue 11): its GPTModel with tracemem's megatron-te
-leaves, traced on meta under a fake process group, against tracemem's build_rank.
+"""Megatron-Core itself as the oracle (issues 11 and 23): its GPTModel with tracemem's
+megatron-te leaves, traced on meta under a fake process group, against tracemem's build_rank;
+and its DistributedDataParallel and DistributedOptimizer, built on meta, against
+tracemem.static.static_memory per rank.
 
 Reference: megatron-core 0.16.1's own code (the `megatron` extra): its orchestration decides
-what every layer keeps and when, the leaves being the same kernels on both sides. Expected
-differences are derived by hand below from the cited Megatron-Core source. Skipped, with the
-reason, when megatron-core is not installed; `make test` installs it.
+what every layer keeps and when, the leaves being the same kernels on both sides, and its
+buffers decide static memory. Expected differences are derived by hand below from the cited
+Megatron-Core source; every layout of `tracemem validate --against megatron-core` is run
+(about 20 s). Skipped, with the reason, when megatron-core is not installed; `make test`
+installs it.
 """
 
 import importlib
@@ -16,7 +20,15 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: "
                                             "pip install 'tracemem[megatron]' (make test does)")
 
 from tracemem.oracle import megatron_patches  # noqa: E402
-from tracemem.oracle.compare import OracleCase, oracle_model_config, run_case  # noqa: E402
+from tracemem.oracle import compare, schedule_oracle, static_oracle  # noqa: E402
+from tracemem.oracle.compare import (  # noqa: E402
+    ORACLE_CASES,
+    OracleCase,
+    oracle_model_config,
+    residue,
+    run_case,
+    run_command,
+)
 
 S, D_R, E, H = 16, 8, 8, 64  # deepseek-tiny: seq_length, qk_rope_head_dim, experts, hidden
 # RotaryEmbedding.forward (models/common/embeddings/rotary_pos_embedding.py) is lru_cache'd:
@@ -42,6 +54,7 @@ def test_every_patched_attribute_is_where_the_patch_says(patch):
         func = module
         for part in qualname.split("."):
             func = getattr(func, part)
+        func = inspect.unwrap(func)  # custom_bwd and the like wrap with functools.wraps
         assert attr in _names(func.__code__), f"{qualname} no longer reads {attr}"
 
 
@@ -101,6 +114,152 @@ def test_every_layer_differs_only_by_the_itemised_residue(result):
                 m.backward_peak - t.backward_peak) == _residue(result.case, layer > 0)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_residue_table_is_the_hand_arithmetic(case):
+    for layer in range(3):
+        rows = residue(case, layer)
+        assert tuple(sum(getattr(r, a) for r in rows) for a in
+                     ("kept", "forward_peak", "backward_peak")) == _residue(case, layer > 0)
+
+
+def test_the_selective_recompute_residue_by_hand():
+    # mla_up_proj: both sides keep core attention's statistics and RNG state now (tracemem's
+    # CheckpointWithoutOutput, modeling.common.checkpoint); what is left is 0.16.1's
+    # copy-on-restore at the backward peak (read from the traces: 912 B on the dense layer 0).
+    # layernorm: the MoE layers' pre-MLP norm output [T, h] = [8, 64] bf16 (TP 2 + SP:
+    # T = 16 / 2) is held twice at the backward peak: 8 x 64 x 2 = 1,024 B
+    case = next(c for c in ORACLE_CASES if c.modules == ("mla_up_proj",))
+    dense = {r.tensor: r for r in residue(case, 0)}
+    assert sum(r.kept for r in dense.values()) == ROPE_CACHE
+    assert sum(r.backward_peak for r in dense.values()) == 912
+    case = next(c for c in ORACLE_CASES if c.modules == ("layernorm",))
+    assert sum(r.backward_peak for r in residue(case, 0)) == 0
+    moe = [r for r in residue(case, 1) if r.tensor.startswith("recomputed outputs")]
+    assert [r.backward_peak for r in moe] == [8 * 64 * 2]
+
+
+@pytest.fixture(scope="module")
+def every_layout():
+    return [run_case(case) for case in ORACLE_CASES]
+
+
+def test_every_layout_of_the_command_differs_only_by_the_residue(every_layout):
+    assert len(every_layout) == len(ORACLE_CASES) == 19
+    for result in every_layout:
+        assert result.unexplained == [], result.case.name
+        parts = {-1, 0, 1, 2, 3} if result.case.whole else {0, 1, 2}
+        assert set(result.megatron) == set(result.tracemem) == parts
+
+
+def test_the_whole_models_residue_by_hand():
+    # b = 1, s = 16, h = 64, TP 2 + SP. Embedding: masked input 16 x 8 B + mask 16 x 1 B;
+    # its backward: the masked gradient copy 2 x 16 x 64, less the SP-local gradient
+    # 2 x 8 x 64 and the mask. Output part: per-token loss 16 x 4 B less tracemem's 4-B
+    # mean; two [s, b] fp32 fewer at the forward peak; tracemem's mean backward 16 x 4 B;
+    # SP: the 'mpu' buffer of the gathered input, 16 x 64 bf16
+    case = ORACLE_CASES[-1]
+    assert case.whole and case.tp == 2 and case.sp
+
+    def total(layer):
+        rows = residue(case, layer)
+        return tuple(sum(getattr(r, a) for r in rows) for a in
+                     ("kept", "forward_peak", "backward_peak"))
+    assert total(-1) == (16 * 9, 16 * 9, 2 * 16 * 64 - 2 * 8 * 64 - 16) == (144, 144, 1008)
+    assert total(3) == (16 * 4 - 4 + 2 * 16 * 64, -2 * 16 * 4 + 2 * 16 * 64, -16 * 4)
+    one = ORACLE_CASES[-2]
+    assert one.whole and one.tp == 1 and residue(one, -1) == []
+    assert [r.kept for r in residue(one, 3)] == [60, 0]
+
+
+def test_a_planted_difference_fails_the_command(monkeypatch):
+    from tracemem.oracle import megatron_spec
+    # without --gradient-accumulation-fusion Megatron-Core's leaves materialise each weight
+    # gradient: its backward peaks rise, tracemem's (fused) do not; the residue does not say so
+    one = (OracleCase(),)
+    assert run_command(cases=one, static_cases=(), schedule_cases=())[1] == 0
+    monkeypatch.setitem(megatron_spec.FUSE_WGRAD, "value", False)
+    text, code = run_command(cases=one, static_cases=(), schedule_cases=())
+    assert code == 1
+    assert "FAIL" in text and "backward_peak differs" in text
+
+
+def test_a_planted_static_difference_fails_the_command(monkeypatch):
+    from tracemem import static
+    case = (static_oracle.StaticCase(world_size=4, rank=3),)
+    assert run_command(cases=(), static_cases=case, schedule_cases=())[1] == 0
+    monkeypatch.setattr(static, "PARAM_START_ALIGN", 32)  # not Megatron's 64
+    text, code = run_command(cases=(), static_cases=case, schedule_cases=())
+    assert code == 1 and "static TP1 DP4, rank 3: grad_bytes" in text
+
+
+def test_a_missing_residue_row_fails_the_layout(every_layout, monkeypatch):
+    monkeypatch.setattr(compare, "RESIDUE", compare.RESIDUE[1:])  # drop the RoPE cache
+    lines = every_layout[0].unexplained
+    assert any("kept differs by +512 B" in line for line in lines)
+
+
+@pytest.fixture(scope="module")
+def static_results():
+    return static_oracle.run_static_cases()
+
+
+def test_static_memory_agrees_to_the_byte_at_every_static_case(static_results):
+    import dataclasses
+    assert len(static_results) == len(static_oracle.STATIC_CASES) == 19
+    for r in static_results:
+        assert r.unexplained == [], r.case.name
+        # static memory itself with no residue at all; the step peak by STATIC_RESIDUE
+        assert dataclasses.replace(r.megatron, step_peak_bytes=0) == \
+            dataclasses.replace(r.tracemem, step_peak_bytes=0), r.case.name
+
+
+def test_the_step_residue_by_hand(static_results):
+    # TP1 DP1: one rank holds all 299,392 elements; Megatron-Core's no-weight-decay group is
+    # the norms, 4 layers x (64 + 48 + 32 + 64) + the final 64 = 896 elements: its foreach
+    # sqrt is 4 x (299,392 - 896) B, tracemem's 4 x 299,392 (one flat master)
+    r = static_results[0]
+    assert r.case.world_size == 1
+    assert r.notes["optimizer_groups"] == {("dense", False): 299_392 - 896,
+                                           ("dense", True): 896}
+    assert r.megatron.step_peak_bytes == 4 * (299_392 - 896)
+    assert r.tracemem.step_peak_bytes == 4 * 299_392
+    # EP 4 over 8 ranks: the dense and expert optimizers step one after the other (the
+    # larger group's sqrt at once); tracemem's one Adam takes both masters together
+    ep = next(x for x in static_results if x.case == static_oracle.StaticCase(world_size=8,
+                                                                              ep=4))
+    groups = ep.notes["optimizer_groups"]
+    assert ep.megatron.step_peak_bytes == 4 * max(groups.values())
+
+
+def test_static_buffers_are_megatron_cores_buffers(static_results):
+    import torch
+
+    from modeling.parallel import build_rank
+    from tracemem.static import megatron_buffers
+    import dataclasses
+    for r in static_results:
+        c = r.case
+        cfg = dataclasses.replace(oracle_model_config(4), tie_word_embeddings=c.tied)
+        par = static_oracle._layout(c, cfg)
+        model = build_rank(cfg, par, c.rank, dtype=torch.bfloat16, kernels="megatron-te")
+        from modeling.parallel.build import coordinates
+        ours = megatron_buffers(model, par, overlap_grad_reduce=c.overlap,
+                                bucket_size=c.bucket_size,
+                                pp_rank=coordinates(par, c.rank).pp_rank)
+        theirs = r.notes["buffers"]  # (param dtype, grad dtype, numel, unpadded, buckets)
+        assert sorted(b.padded for b in ours) == sorted(b[2] for b in theirs), c.name
+        assert sorted(len(b.layout()[2]) for b in ours) == sorted(b[4] for b in theirs)
+
+
+def test_ep1_experts_share_the_dense_buffer_and_its_dp_shards():
+    # TP 2 + SP, ETP 1, EP 1 over 8 ranks: DP 4, EDP 8; Megatron-Core's experts are
+    # allreduce=True without EP (TEGroupedLinear), so their optimizer state is split 4 ways
+    # (the dense DP group), not 8: one buffer, and rank 7's state is the dense group's shard
+    result = static_oracle.run_static_case(static_oracle.STATIC_CASES[3])
+    assert [b[2] for b in result.notes["buffers"]] == [236_160]
+    assert result.megatron.optimizer_bytes == result.tracemem.optimizer_bytes == 706_560
+
+
 def test_the_kept_storages_that_differ_are_the_rope_cache_and_the_dispatcher_state(result):
     tokens = S // result.case.tp if result.case.sp else S
     for layer in result.megatron:
@@ -120,15 +279,76 @@ def test_cli_megatron_core_refuses_a_cpu_case(capsys):
     assert "--case names a CPU case" in capsys.readouterr().err
 
 
-def test_cli_json_gives_both_sides_per_layer(capsys, monkeypatch):
+def test_command_json_gives_layers_static_and_what_is_unexplained():
+    import json
+    text, code = run_command(json_out=True, cases=(OracleCase(),),
+                             static_cases=static_oracle.STATIC_CASES[:1],
+                             schedule_cases=schedule_oracle.SCHEDULE_CASES[:1])
+    result = json.loads(text)
+    assert code == 0 and result["unexplained"] == []
+    (layout,) = result["layers"]
+    assert layout["layout"] == "TP1 EP1 ETP1" and layout["unexplained"] == []
+    assert [r["kept"] for r in layout["layers"]["0"]["residue"]] == [ROPE_CACHE]
+    (static,) = result["static"]
+    assert static["unexplained"] == []
+    (schedule,) = result["schedules"]
+    assert schedule["megatron_core"] == schedule["tracemem"]
+    assert static["megatron_core"]["grad_bytes"] == static["tracemem"]["grad_bytes"]
+
+
+def test_the_cli_gives_both_sides_per_layer_and_exits_1_on_a_planted_difference(
+        capsys, monkeypatch):
     import json
 
     from tracemem.cli import main
-    from tracemem.oracle import compare
+    from tracemem.oracle import megatron_spec
     monkeypatch.setattr(compare, "ORACLE_CASES", (OracleCase(),))
+    monkeypatch.setattr(static_oracle, "STATIC_CASES", ())
+    monkeypatch.setattr(schedule_oracle, "SCHEDULE_CASES", ())
     assert main(["validate", "--against", "megatron-core", "--json"]) == 0
-    (layout,) = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
+    (layout,) = out["layers"]
     assert layout["layout"] == "TP1 EP1 ETP1" and not layout["equal"]
+    assert layout["unexplained"] == [] and out["unexplained"] == []
     dense = layout["layers"]["0"]
     assert dense["megatron_core"]["params"] == dense["tracemem"]["params"] == 86_432
     assert dense["megatron_core"]["kept"] - dense["tracemem"]["kept"] == ROPE_CACHE
+    # the same planted fault as above: the command itself exits 1
+    monkeypatch.setitem(megatron_spec.FUSE_WGRAD, "value", False)
+    assert main(["validate", "--against", "megatron-core"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- the schedules
+@pytest.fixture(scope="module")
+def schedule_results():
+    return schedule_oracle.run_schedule_cases()
+
+
+def test_megatron_cores_schedules_run_tracemems_step_order(schedule_results):
+    assert len(schedule_results) == len(schedule_oracle.SCHEDULE_CASES) == 6
+    for r in schedule_results:
+        assert r.unexplained == [], r.case.name
+        assert r.megatron_steps == r.tracemem_steps
+
+
+def test_1f1b_by_hand_and_the_outputs_deallocated(schedule_results):
+    # PP 2, M 4, rank 0: PP - rank = 2 warm-up forwards, then 1F1B, then the cool-down
+    first = schedule_results[0]
+    assert first.case == schedule_oracle.ScheduleCase(pp=2, num_microbatches=4, rank=0)
+    assert " ".join(first.megatron_steps) == "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3"
+    assert max(first.inflight(first.megatron_steps)) == 2
+    # deallocate_output_tensor frees each sent output [s, b, h] bf16: 4 x 16 x 64 x 2 B
+    assert first.deallocated_bytes == 4 * 16 * 64 * 2
+
+
+def test_a_planted_schedule_difference_fails_the_command(monkeypatch):
+    from tracemem import schedules
+    case = schedule_oracle.SCHEDULE_CASES[:1]
+    real = schedules.schedule
+
+    def gpipe(name, pp, vpp, m):  # tracemem's GPipe in place of 1F1B
+        return real("gpipe", pp, vpp, m)
+    monkeypatch.setattr(schedules, "schedule", gpipe)
+    text, code = run_command(cases=(), static_cases=(), schedule_cases=case)
+    assert code == 1 and "schedule PP2 M4, rank 0: step 2" in text

@@ -183,3 +183,70 @@ def test_docs_show_the_sharding_table():
     doc = Path(__file__).parents[2].joinpath("docs", "parallel.md").read_text()
     for rule in SHARDING:
         assert f"| {rule.quantity} | {rule.kind} | {rule.group} | {rule.zero} |" in doc
+
+
+# ---------------------------------------------------------------------------- Megatron's layout
+# Megatron-Core 0.16.1 distributed/param_and_grad_buffer.py _ParamAndGradBuffer.__init__ (the
+# same rules at Megatron-LM d98e8a6 optimizer/param_layout.py): parameters laid out in reverse
+# registration order, each starting at a multiple of 64 elements, each bucket ending at a
+# multiple of lcm(DP, 128); DP rank r owns [r, r + 1) x bucket / DP of each bucket.
+def test_megatron_buffer_pads_like_param_and_grad_buffer():
+    from tracemem.static import MegatronBuffer
+    # registered (100, 64, 30): laid out 30 at [0, 30), 64 at [64, 128), 100 at [128, 228);
+    # the bucket ends at 256 (lcm(2, 128) = 128 divides it)
+    buffer = MegatronBuffer(0, "dense", (100, 64, 30), group=2)
+    padded, params, buckets = buffer.layout()
+    assert (padded, params, buckets) == (256, [(0, 30), (64, 128), (128, 228)], [(0, 256)])
+    # rank 0 owns [0, 128): 30 + 64 elements; rank 1 [128, 256): 100 (the rest is padding)
+    assert (buffer.shard_elements(0), buffer.shard_elements(1)) == (94, 100)
+    # DP 3: lcm(3, 128) = 384, each rank 128 elements: [0, 128) holds 30 + 64, [128, 256)
+    # the 100, [256, 384) nothing
+    three = MegatronBuffer(0, "dense", (100, 64, 30), group=3)
+    assert three.padded == 384
+    assert [three.shard_elements(r) for r in range(3)] == [94, 100, 0]
+
+
+def test_megatron_buffer_buckets_close_at_bucket_size():
+    from tracemem.static import MegatronBuffer
+    # bucket_size 64: 30 at [0, 30) (bucket still short), 64 at [64, 128): 128 >= 64 closes
+    # bucket 0 at pad(128, 128) = 128; 100 at [128, 228) closes bucket 1 at 256
+    buffer = MegatronBuffer(0, "dense", (100, 64, 30), group=2, bucket_size=64)
+    assert buffer.layout() == (256, [(0, 30), (64, 128), (128, 228)], [(0, 128), (128, 256)])
+    # rank 0: [0, 64) of bucket 0 (30) and [128, 192) of bucket 1 (64 of the 100)
+    assert (buffer.shard_elements(0), buffer.shard_elements(1)) == (30 + 64, 64 + 36)
+
+
+def test_megatron_tensors_are_megatron_cores_parameters_in_its_order():
+    import dataclasses
+
+    import torch
+
+    from tracemem.static import megatron_tensors
+    # deepseek-tiny, 2 layers (0 dense, 1 MoE), TP 1: h 64, q_lora 48, kv_lora 32, rope 8,
+    # 4 heads of q 24 / v 16, dense inter 128, 8 experts of inter 32, one shared of 32
+    cfg = dataclasses.replace(load_config("deepseek-tiny"), num_layers=2, num_mtp_modules=0,
+                              first_k_dense_replace=1, dtype="bfloat16")
+    par = ParallelConfig.create(cfg, world_size=1)
+    model = build_rank(cfg, par, 0, dtype=torch.bfloat16, kernels="megatron-te")
+    tensors = megatron_tensors(model)
+    numels = [n for _, n, _, _ in tensors]
+    attention = [64 * 64, 48 * 64, 48, 96 * 48, 40 * 64, 32, 128 * 32]  # wo first
+    dense = [64, 2 * 128 * 64, 64 * 128]  # fc1 = [w1; w3]
+    moe = [64, 8 * 64] + [2 * 32 * 64] * 8 + [64 * 32] * 8 + [2 * 32 * 64, 64 * 32]
+    assert numels == ([256 * 64] + [64] + attention + dense + [64] + attention + moe
+                      + [64, 256 * 64])
+    # Megatron's no-weight-decay group: the 1-D tensors (norms): 2 x (64 + 48 + 32 + 64) + 64
+    assert sum(n for _, n, _, no_decay in tensors if no_decay) == 2 * 208 + 64
+
+
+def test_a_shared_embedding_has_a_bucket_of_its_own():
+    from tracemem.static import MegatronBuffer
+    # registered (embedding 100, 64, 30), the embedding shared (tied, PP > 1): laid out 30 at
+    # [0, 30), 64 at [64, 128); the embedding closes that bucket at pad(128, 128) = 128 and
+    # takes [128, 228) alone, its bucket ending at 256 (Megatron-Core's
+    # _does_param_require_new_bucket)
+    buffer = MegatronBuffer(0, "dense", (100, 64, 30), group=2,
+                            own_bucket=(True, False, False))
+    assert buffer.layout() == (256, [(0, 30), (64, 128), (128, 228)], [(0, 128), (128, 256)])
+    # DP 2: rank 0 owns [0, 64) and [128, 192); rank 1 [64, 128) and [192, 256)
+    assert (buffer.shard_elements(0), buffer.shard_elements(1)) == (30 + 64, 64 + 36)

@@ -9,8 +9,11 @@ What the patches do, in four groups:
 
 - **no CUDA**: ``torch.cuda.current_device`` answers ``meta``, CUDA streams and events are
   no-ops (the alltoall dispatcher's device-to-host stream, the shared experts' overlap
-  stream), and a ``TorchFunctionMode`` (``CudaToMeta``) moves any tensor a factory puts on
-  ``cuda`` to ``meta`` (hard-coded ``device="cuda"`` buffers).
+  stream), a ``TorchFunctionMode`` (``CudaToMeta``) moves any tensor a factory puts on
+  ``cuda`` to ``meta`` (hard-coded ``device="cuda"`` buffers) and answers ``Tensor.type()``
+  of a meta tensor with its CUDA name (the distributed optimizer's dtype check), and apex's
+  ``fused_weight_gradient_mlp_cuda`` (``--gradient-accumulation-fusion`` of Megatron-Core's
+  own linear layers) accumulates into ``main_grad`` as a no-op.
 - **TE leaves that Megatron-Core reaches through module names**: the fused permute / unpermute
   / chunk sort and the router GEMM (``te_general_gemm``) are tracemem's ``megatron-te``
   kernels (``modeling.kernels``), because Transformer Engine does not install without CUDA
@@ -93,11 +96,18 @@ def _is_cuda(device: Any) -> bool:
 
 class CudaToMeta(TorchFunctionMode):
     """Moves tensors that code asks for on ``cuda`` to ``meta``: a ``device=`` keyword naming
-    CUDA, ``.cuda()``, ``.to("cuda")``. Replaces every hard-coded CUDA placement in
+    CUDA, ``.cuda()``, ``.to("cuda")``; and ``Tensor.type()`` of a meta tensor answers the
+    CUDA type name (``torch.cuda.BFloat16Tensor``). Replaces every hard-coded CUDA placement in
     Megatron-Core 0.16.1 (e.g. ``permute_idx_device`` in ``transformer/moe/
     token_dispatcher.py`` ``MoEAlltoAllTokenDispatcher.__init__``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs \
+                and args[0].device.type == "meta":
+            # Tensor.type() names a meta tensor "torch.meta.BFloat16Tensor"; optimizer/
+            # distrib_optimizer.py DistributedOptimizer._build_model_and_main_param_groups
+            # (and optimizer.py Float16OptimizerWithFloat16Params) accept "torch.cuda.*" only
+            return func(*args).replace("torch.meta.", "torch.cuda.")
         kwargs = dict(kwargs or {})
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = torch.device("meta")
@@ -171,6 +181,19 @@ def _weighted_swiglu_back(g, y, weights):
 def _bias_dropout_add_train():
     from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_unfused
     return bias_dropout_add_unfused(True)
+
+
+# ---------------------------------------------------------------------------- wgrad fusion
+class _FusedWgrad:
+    """apex's ``fused_weight_gradient_mlp_cuda`` (CUDA only): ``wgrad_gemm_accum_fp32`` /
+    ``_fp16`` accumulate ``input^T @ grad`` into ``main_grad`` in place, allocating nothing;
+    here they do nothing (meta tensors have no values)."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        return None
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
 
 
 # ---------------------------------------------------------------------------- resize_
@@ -278,6 +301,13 @@ def _original(module: str, cls: str, name: str):
     return getattr(getattr(importlib.import_module(module), cls), name)
 
 
+def _no_fp8(init):
+    def no_fp8(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.fp8 = False
+    return no_fp8
+
+
 def _leaf(name: str):
     def make():
         from tracemem.oracle import megatron_spec
@@ -328,6 +358,13 @@ PATCHES: tuple[Patch, ...] = (
           "recompute (mla_up_proj, moe_act recompute) frees its outputs with "
           "untyped_storage().resize_(0), below the dispatcher; the original, then the tracer "
           "is told (MemoryTracer.storage_resized)"),
+    Patch("megatron.core.tensor_parallel.random", "CheckpointWithoutOutput.__init__",
+          lambda: _no_fp8(_original("megatron.core.tensor_parallel.random",
+                                    "CheckpointWithoutOutput", "__init__")),
+          "tensor_parallel/random.py CheckpointWithoutOutput.__init__ sets self.fp8 = fp8 is "
+          "not None (True for the default fp8=False) and later asks TE's "
+          "FP8GlobalStateManager, a NameError without TE (layernorm and moe_act recompute); "
+          "the original, then fp8 False: the oracle runs bf16"),
     Patch("megatron.core.tensor_parallel.random", "CheckpointWithoutOutput._recompute",
           lambda: _recompute(_original("megatron.core.tensor_parallel.random",
                                        "CheckpointWithoutOutput", "_recompute")),
@@ -386,6 +423,19 @@ PATCHES: tuple[Patch, ...] = (
           lambda: _dtoh_and_synchronize,
           "token_dispatcher.py MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize: the "
           "device-to-host copy of the split sizes on cuda_dtoh_stream; they are host ints"),
+    Patch("megatron.core.tensor_parallel.layers", "_grad_accum_fusion_available",
+          lambda: True,
+          "tensor_parallel/layers.py _grad_accum_fusion_available (False without apex's "
+          "fused_weight_gradient_mlp_cuda): ColumnParallelLinear.__init__ refuses "
+          "gradient_accumulation_fusion without it; the whole-model oracle's output layer "
+          "fuses its weight gradient as --gradient-accumulation-fusion does",
+          read_by=("ColumnParallelLinear.__init__",)),
+    Patch("megatron.core.tensor_parallel.layers", "fused_weight_gradient_mlp_cuda",
+          lambda: _FusedWgrad,
+          "tensor_parallel/layers.py fused_weight_gradient_mlp_cuda (apex, CUDA only; "
+          "undefined without it): LinearWithGradAccumulationAndAsyncCommunication.backward "
+          "accumulates the weight gradient into main_grad in place; a no-op here",
+          read_by=("LinearWithGradAccumulationAndAsyncCommunication.backward",)),
     Patch("megatron.core.transformer.multi_latent_attention", "TELinear", _leaf("TELinear"),
           "transformer/multi_latent_attention.py TELinear (None without TE): "
           "MLASelfAttention.__init__ makes the down projections duplicated only when their "
@@ -407,7 +457,7 @@ def applied() -> Iterator[None]:
     try:
         for patch in PATCHES:
             owner, attr = patch.owner()
-            if not hasattr(owner, attr) and not patch.module.endswith("moe_utils"):
+            if not hasattr(owner, attr) and not patch.read_by:
                 raise TracememError(f"megatron patch target {patch.module}.{patch.name} "
                                     f"is missing")
             saved.append((owner, attr, owner.__dict__.get(attr, _MISSING)))
@@ -427,7 +477,8 @@ _MISSING = object()
 
 @contextlib.contextmanager
 def fake_process_groups(*, world_size: int, rank: int = 0, tp: int = 1, ep: int = 1,
-                        etp: int = 1, pp: int = 1, sp: bool = False) -> Iterator[None]:
+                        etp: int = 1, pp: int = 1, sp: bool = False, cp: int = 1,
+                        vpp: int = 1) -> Iterator[None]:
     """A fake ``torch.distributed`` world (``torch.testing._internal.distributed.fake_pg``
     ``FakeStore``, backend ``"fake"``: collectives return without moving data) and
     Megatron-Core's model-parallel groups on it (``parallel_state.initialize_model_parallel``
@@ -448,6 +499,8 @@ def fake_process_groups(*, world_size: int, rank: int = 0, tp: int = 1, ep: int 
     try:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+            context_parallel_size=cp,
             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
             create_gloo_process_groups=False)
         yield

@@ -37,7 +37,7 @@ from modeling.kernels import norm as te_norm
 __all__ = ["TENorm", "TELinear", "TEColumnParallelLinear", "TERowParallelLinear",
            "TELayerNormColumnParallelLinear", "TEDotProductAttention",
            "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear",
-           "TracememSpecProvider", "decoder_layer_specs", "FUSE_WGRAD"]
+           "TracememSpecProvider", "decoder_layer_specs", "gpt_model_chunk", "FUSE_WGRAD"]
 
 # Megatron's --gradient-accumulation-fusion for every leaf (the megatron-te profile's option)
 FUSE_WGRAD = {"value": True}
@@ -137,6 +137,10 @@ class TELayerNormColumnParallelLinear(TELinear):
                          bias=bias, is_expert=is_expert, tp_group=tp_group)
         self.layer_norm_weight = nn.Parameter(torch.empty(input_size,
                                                           dtype=config.params_dtype))
+        # TE registers layer_norm_weight before weight (transformer_engine/pytorch/module/
+        # layernorm_linear.py LayerNormLinear.__init__): the order of Megatron-Core's DDP
+        # buffers, whose alignment gaps and shards follow registration order
+        self._parameters["weight"] = self._parameters.pop("weight")
 
     def forward(self, x: Tensor, *args, **kwargs):
         mode, sp = self._mode_sp()
@@ -186,6 +190,11 @@ class _TEGroupedLinear(nn.Module):
         for i in range(num_gemms):
             self.register_parameter(f"weight{i}", nn.Parameter(
                 torch.empty(out_size, in_size, dtype=config.params_dtype)))
+            # extensions/transformer_engine.py TEGroupedLinear.__init__: reduced over the
+            # expert data-parallel group (their own DDP buffer) only with EP > 1, else with
+            # the dense parameters (DistributedDataParallel.__init__ reads ``allreduce``)
+            setattr(getattr(self, f"weight{i}"), "allreduce",
+                    not config.expert_model_parallel_size > 1)
 
     def forward(self, x: Tensor, m_splits):
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
@@ -283,12 +292,48 @@ def _layer_spec(backend: TracememSpecProvider, num_experts: int | None):
     )
 
 
-def decoder_layer_specs(config):
+def decoder_layer_specs(config, vp_stage: int | None = None):
     """The block spec of ``config`` (a ``MLATransformerConfig``): a dense layer spec where
     ``config.moe_layer_freq`` has 0 and an MoE layer spec where it has 1, as
-    ``get_gpt_decoder_layer_specs`` builds them (``models/gpt/gpt_layer_specs.py``)."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    ``get_gpt_decoder_layer_specs`` builds them, cut to this pipeline rank's (and
+    ``vp_stage``'s) layers as ``get_gpt_decoder_block_spec`` cuts them
+    (``models/gpt/gpt_layer_specs.py``: ``get_transformer_layer_offset``,
+    ``get_num_layers_to_build``)."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
     backend = TracememSpecProvider()
     dense, moe = _layer_spec(backend, None), _layer_spec(backend, config.num_moe_experts)
     layers = [moe if f else dense for f in config.moe_layer_freq]
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    layers = layers[offset:offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TENorm)
+
+
+def gpt_model_chunk(config, cfg, vp: int, vpp: int, **kwargs):
+    """This pipeline rank's ``GPTModel`` for virtual stage ``vp`` of ``vpp``, built on meta
+    as megatron/training/training.py ``get_model`` builds each chunk (``pre_process`` /
+    ``post_process`` from ``parallel_state.is_pipeline_first_stage`` / ``_last_stage`` with
+    ``ignore_virtual=False``; ``vp_stage`` None without VPP), with ``decoder_layer_specs``,
+    ``cfg``'s vocabulary and positions, no position embedding (MLA's RoPE is its own) and
+    ``kwargs`` passed on; each MoE dispatcher told its global layer (the oracle's routing
+    model reads it)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    vp_stage = vp if vpp > 1 else None
+    pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    with torch.device("meta"):
+        chunk = GPTModel(config, decoder_layer_specs(config, vp_stage),
+                         vocab_size=cfg.vocab_size,
+                         max_sequence_length=cfg.max_position_embeddings,
+                         pre_process=pre, post_process=post, position_embedding_type="none",
+                         vp_stage=vp_stage, **kwargs)
+    for module in chunk.modules():
+        if hasattr(module, "token_dispatcher"):
+            module.token_dispatcher.tracemem_layer = module.layer_number - 1
+    return chunk
