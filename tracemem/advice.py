@@ -84,7 +84,7 @@ def _candidates(job) -> list[tuple[str, dict[str, Any], str, str | None]]:
         out.append(("a smaller --micro-batch-size", {}, "",
                     f"--micro-batch-size {b} cannot be halved"))
     for zero in sorted({par.zero + 1, 3}):
-        if zero > par.zero:
+        if par.zero < zero <= 3:  # ZeRO-3 is the last stage: nothing above it to try
             out.append((f"--zero {zero}", {"zero": zero}, "", None))
     if job.config.is_moe:  # a dense model has no experts to spread
         out.append((f"--ep {2 * par.ep}", {"ep": 2 * par.ep}, "", None))

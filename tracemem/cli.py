@@ -1,4 +1,9 @@
-"""The ``tracemem`` command line. User errors print one line on stderr and exit with code 2."""
+"""The ``tracemem`` command line. User errors print one line on stderr and exit with code 2 (a
+mistyped flag is named with the closest one: ``_check_flag_names``). A reader that closes the
+pipe (``| head``) ends it quietly with 0; any other write error on stdout (``> /dev/full``) is
+one line and exit code 1. Progress goes to stderr (``_Progress``): rewritten in place on a
+terminal, plain lines at most every ``PROGRESS_INTERVAL_S`` seconds when piped or logged;
+``--snapshot`` and ``--plot`` say on stderr which files they wrote."""
 
 from __future__ import annotations
 
@@ -25,6 +30,52 @@ from tracemem.report import (
 
 __all__ = ["build_parser", "main", "add_parallel_arguments", "parallel_config_from_args",
            "job_from_args"]
+
+
+# Piped or logged stderr (not a terminal) gets plain progress lines, at most one this often
+PROGRESS_INTERVAL_S = 5.0
+
+
+class _Progress:
+    """Progress on stderr: on a terminal one line rewritten in place (``\r``); piped or
+    logged (``2>&1 | tee log``), plain lines, "tracemem: " and the message (what is being done
+    and how far along), at most one every ``PROGRESS_INTERVAL_S`` seconds and none before
+    that much time has passed, so a long command says it is working without flooding a log,
+    and a quick one (or a usage error, one line) prints nothing else. ``done()`` clears the
+    terminal's line."""
+
+    def __init__(self, stream=None, interval: float | None = None, clock=None) -> None:
+        import time
+
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval = PROGRESS_INTERVAL_S if interval is None else interval
+        self.clock = clock or time.monotonic
+        self.last = self.clock()  # the start: the first line comes an interval later
+
+    def __call__(self, message: str) -> None:
+        try:
+            if self.tty:
+                print(f"\r{message:<79}", end="", file=self.stream, flush=True)
+                return
+            now = self.clock()
+            if now - self.last >= self.interval:
+                self.last = now
+                print(f"tracemem: {message}", file=self.stream, flush=True)
+        except OSError:  # stderr closed or full: progress is not worth failing for
+            pass
+
+    def done(self) -> None:
+        if self.tty:
+            try:
+                print("\r" + " " * 79 + "\r", end="", file=self.stream, flush=True)
+            except OSError:
+                pass
+
+
+def _progress(quiet: bool) -> _Progress | None:
+    """The progress printer of a command, or None with ``--quiet``."""
+    return None if quiet else _Progress()
 
 
 def _positive_int(text: str) -> int:
@@ -128,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--recompute-num-layers", type=int, default=1,
                       help="layers per checkpoint (uniform) or layers recomputed per model "
                            "chunk (block) (default 1)")
+    step.add_argument("--distribute-saved-activations", action="store_true",
+                      help="under --recompute full with TP > 1 and no SP, Megatron's flag: "
+                           "each checkpoint keeps 1 / TP of its input, all-gathered back in "
+                           "backward")
     step.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES,
                       default=None,
                       help="modules recomputed under --recompute selective (default core_attn; "
@@ -156,8 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="keep each stage's sent output until its backward (Megatron frees "
                            "it by default)")
     step.add_argument("--hbm", default=None,
-                      help="device memory per GPU, e.g. 80GiB, to say whether each rank fits "
-                           "(write --hbm=VALUE for a value starting with -)")
+                      help="device memory per GPU, to say whether each rank fits: 80GiB "
+                           "(binary: KiB, MiB, GiB, TiB), 80GB (decimal, as data sheets print: "
+                           "kB, MB, GB, TB) or bytes; the verdict says which (write "
+                           "--hbm=VALUE for a value starting with -)")
     step.add_argument("--gpu", choices=sorted(GPUS), default=None,
                       help="the GPU kind: counts the allocations below the dispatcher that "
                            "depend on it (cuBLAS workspaces per architecture, TE's dummy "
@@ -316,6 +373,15 @@ def _add_kernel_flags(group, default: str = "megatron-te") -> None:
                        help="megatron-te: shared experts without Megatron's "
                             "--moe-shared-expert-overlap (their linears then save the local "
                             "input instead of the gathered one)")
+    group.add_argument("--cp-comm-type", choices=("allgather", "p2p"), default=None,
+                       help="megatron-te, CP > 1: p2p (TE's ring attention, Megatron's "
+                            "default) or allgather (K and V all-gathered) (default allgather; "
+                            "a Megatron-LM job takes its own)")
+    group.add_argument("--attention-backend", choices=("fused", "flash", "auto"),
+                       default=None, dest="attention_backend",
+                       help="megatron-te: Transformer Engine's attention backend: fused "
+                            "(cuDNN), flash (flash-attn: layout copies, its own scratch) or "
+                            "auto (TE's choice for --gpu) (default fused; docs/kernels.md)")
 
 
 def _kernel_options(args: argparse.Namespace) -> dict:
@@ -323,7 +389,9 @@ def _kernel_options(args: argparse.Namespace) -> dict:
     options = {"te_version": args.te_version,
                "moe_shared_expert_overlap": args.shared_expert_overlap,
                "cross_entropy_fusion": args.cross_entropy_fusion,
-               "masked_softmax_fusion": args.masked_softmax_fusion}
+               "masked_softmax_fusion": args.masked_softmax_fusion,
+               "cp_comm_type": args.cp_comm_type,
+               "attention_backend": args.attention_backend}
     return {key: value for key, value in options.items() if value is not None}
 
 
@@ -362,7 +430,8 @@ def _add_model_flag(parser: argparse.ArgumentParser) -> None:
 # Job fields set by a flag whose dest has another name
 _FIELD_DESTS = {"deallocate_pipeline_outputs": "deallocate",
                 "kernel_options": ("te_version", "shared_expert_overlap",
-                                   "cross_entropy_fusion", "masked_softmax_fusion")}
+                                   "cross_entropy_fusion", "masked_softmax_fusion",
+                                   "cp_comm_type", "attention_backend")}
 
 
 def _flag_fields(args: argparse.Namespace) -> dict:
@@ -375,8 +444,10 @@ def _flag_fields(args: argparse.Namespace) -> dict:
             schedule=args.schedule, recompute=args.recompute,
             recompute_modules=tuple(args.recompute_modules or ("core_attn",)),
             recompute_method=args.recompute_method,
-            recompute_num_layers=args.recompute_num_layers, attention=args.attention,
-            experts=args.experts, routing=args.routing, seed=args.seed,
+            recompute_num_layers=args.recompute_num_layers,
+            distribute_saved_activations=args.distribute_saved_activations,
+            attention=args.attention, experts=args.experts, routing=args.routing,
+            seed=args.seed,
             max_ep_classes=args.max_ep_classes, rounding=args.rounding,
             deallocate_pipeline_outputs=args.deallocate, hbm=args.hbm,
             zero3_prefetch=args.zero3_prefetch, optimizer=args.optimizer,
@@ -562,7 +633,9 @@ def _add_precision_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _layout_kwargs(args: argparse.Namespace) -> dict:
-    """``ParallelConfig.create`` keywords (all but ``world_size``) from the parallel flags."""
+    """``ParallelConfig.create`` keywords (all but ``world_size``) from the parallel flags,
+    as given (a ``Job`` validates them; the commands that build no ``Job`` bound them with
+    ``tracemem.job.check_layout_bounds`` first)."""
     from tracemem.parallel import parse_layout
 
     from tracemem.precision import PRECISION_FLAGS
@@ -579,9 +652,12 @@ def _layout_kwargs(args: argparse.Namespace) -> dict:
 
 
 def parallel_config_from_args(args: argparse.Namespace, model_cfg):
-    """A validated ``ParallelConfig`` from the flags of ``add_parallel_arguments``."""
+    """A validated ``ParallelConfig`` from the flags of ``add_parallel_arguments``, its sizes
+    bounded first as a ``Job``'s are (``tracemem.job.check_layout_bounds``)."""
+    from tracemem.job import check_layout_bounds
     from tracemem.parallel import ParallelConfig
 
+    check_layout_bounds(args.world_size, pp=args.pp, vpp=args.vpp)
     return ParallelConfig.create(model_cfg, world_size=args.world_size, **_layout_kwargs(args))
 
 
@@ -676,7 +752,7 @@ def job_from_args(args: argparse.Namespace):
 
 
 def _run_estimate(args: argparse.Namespace) -> str:
-    from tracemem.estimator import TraceCache, estimate, stderr_progress
+    from tracemem.estimator import TraceCache, estimate
 
     if args.what_fits and args.hbm is None:
         raise TracememError("--what-fits needs --hbm (e.g. --hbm 80GiB): the memory to fit in")
@@ -685,10 +761,16 @@ def _run_estimate(args: argparse.Namespace) -> str:
         from tracemem.frontdoors import to_megatron_args
 
         return _megatron_lines(to_megatron_args(job))
-    progress = stderr_progress(args.quiet)
+    import time
+
+    progress = _progress(args.quiet)
     cache = TraceCache()  # shared with --what-fits' re-estimates
+    started = time.time()
     result = estimate(job, progress=progress, trace_cache=cache, snapshot=args.snapshot,
                       plot=args.plot)
+    if progress:
+        progress.done()
+    _say_written(args, started)
     fits = None
     if args.what_fits and any(r.fits is False for r in result.ranks):
         from tracemem.advice import what_fits
@@ -696,10 +778,27 @@ def _run_estimate(args: argparse.Namespace) -> str:
         # the re-estimates write no snapshot or plot (those are the job's as given)
         fits = what_fits(result, progress=progress, trace_cache=cache)
     if progress:
-        print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+        progress.done()
     if args.json:
         return format_estimate_json(result, fits)
     return format_estimate(result, units=args.units, fits=fits)
+
+
+def _say_written(args: argparse.Namespace, since: float) -> None:
+    """One line on stderr per output file option (``--snapshot``, ``--plot``): which files
+    were written (on stderr, so stdout stays the table or the JSON)."""
+    from pathlib import Path
+
+    if args.snapshot is not None:
+        folder = Path(args.snapshot)
+        written = sorted(p.name for p in folder.glob("*.pickle")
+                         if p.stat().st_mtime >= since - 1)
+        print(f"tracemem: wrote {len(written)} snapshot{'s' if len(written) != 1 else ''} "
+              f"(one per rank class) into {folder}/: {', '.join(written)}; open them at "
+              f"https://pytorch.org/memory_viz or with python -m torch.cuda._memory_viz",
+              file=sys.stderr)
+    if args.plot is not None:
+        print(f"tracemem: wrote the plot to {args.plot}", file=sys.stderr)
 
 
 def _override_note(args: argparse.Namespace) -> str:
@@ -756,7 +855,8 @@ def _add_fit_parser(sub) -> None:
     _add_model_flag(fit)
     job = fit.add_argument_group("job")
     job.add_argument("--world-size", type=int, required=True, help="number of GPUs N")
-    job.add_argument("--hbm", required=True, help="device memory per GPU, e.g. 80GiB")
+    job.add_argument("--hbm", required=True,
+                     help="device memory per GPU: 80GiB (binary), 80GB (decimal) or bytes")
     job.add_argument("--seq-length", type=int, default=None,
                      help="sequence length s (required unless a Megatron-LM job gives it)")
     job.add_argument("--global-batch-size", type=int, default=None,
@@ -819,13 +919,15 @@ def _add_fit_parser(sub) -> None:
 
 
 def _run_fit(args: argparse.Namespace) -> str:
-    from tracemem.estimator import stderr_progress
+    import tracemem.fit
     from tracemem.fit import fit, format_fit, format_fit_csv, format_fit_json, search_space
+
+    tracemem.fit.EXIT_ON_RAY_TIMEOUT = True  # a command: a hung ray.init ends it, one line
 
     space = search_space(pp_ends=args.pp_ends, **{
         name[len("space_"):]: value for name, value in vars(args).items()
         if name.startswith("space_")})
-    show = stderr_progress(args.quiet)
+    show = _progress(args.quiet)
 
     def progress(p: dict) -> None:
         eta = "" if p["eta_s"] is None else f", ETA {int(p['eta_s']) // 60}m{int(p['eta_s']) % 60:02d}s"
@@ -847,7 +949,7 @@ def _run_fit(args: argparse.Namespace) -> str:
                      **({} if args.non_pytorch_memory is None else
                         {"non_pytorch_memory": args.non_pytorch_memory}))
     if show:
-        print("\r" + " " * 79 + "\r", end="", file=sys.stderr)
+        show.done()
     if args.json:
         return format_fit_json(result)
     if args.csv:
@@ -870,6 +972,9 @@ def _run_inventory(args: argparse.Namespace) -> str:
         for flag in ("micro_batch_size", "seq_length"):
             if getattr(args, flag) is None:
                 raise TracememError(f"give --{flag.replace('_', '-')}")
+        from tracemem.job import check_layout_bounds
+
+        check_layout_bounds(args.world_size, pp=args.pp, vpp=args.vpp)  # no Job here
         model, options, kernels = args.model, _kernel_options(args), args.kernels
         common = dict(world_size=args.world_size, micro_batch_size=args.micro_batch_size,
                       seq_length=args.seq_length, part=args.part, replace=args.replace,
@@ -1061,7 +1166,6 @@ def _run_validate_ci(args: argparse.Namespace) -> str:
     """The megatron-ci scoreboard (``tracemem.validation.megatron_ci_board``)."""
     from dataclasses import asdict
 
-    from tracemem.estimator import stderr_progress
     from tracemem.validation.megatron_ci import selection
     from tracemem.validation.megatron_ci_board import format_board, score_cases, summary
 
@@ -1084,10 +1188,9 @@ def _run_validate_ci(args: argparse.Namespace) -> str:
                     " (it is left out: see --left-out)" if out else
                     "; see --left-out and docs/validation.md for the case names"))
         scored = wanted
-    progress = stderr_progress(False)
+    progress = _progress(False)
     rows, failed = score_cases(scored, progress)
-    if progress:
-        print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    progress.done()
     if args.json:
         return json.dumps({"summary": summary(rows),
                            "cases": [asdict(r) | {"error": r.error} for r in rows],
@@ -1097,22 +1200,15 @@ def _run_validate_ci(args: argparse.Namespace) -> str:
 
 
 def _run_validate_megatron(args: argparse.Namespace) -> str:
-    from tracemem.oracle.compare import ORACLE_CASES, format_results, run_case
+    """Megatron-Core as the oracle (``tracemem.oracle.compare.run_command``): exit code 1
+    (``args.exit_code``) on any difference its residue tables do not name."""
+    from tracemem.oracle.compare import run_command
 
     if args.case:
         raise TracememError("--case names a CPU case; --against megatron-core runs its own "
                             "layouts (docs/validation.md)")
-    results = [run_case(case) for case in ORACLE_CASES]
-    if args.json:
-        return json.dumps([{"layout": r.case.name, "equal": r.equal,
-                            "layers": {str(i): {side: {k: getattr(b[i], k) for k in
-                                                       ("kept", "forward_peak",
-                                                        "backward_peak", "params")}
-                                                for side, b in (("megatron_core", r.megatron),
-                                                                ("tracemem", r.tracemem))}
-                                       for i in sorted(r.megatron)}} for r in results],
-                          indent=2)
-    return format_results(results)
+    out, args.exit_code = run_command(json_out=args.json)
+    return out
 
 
 def _options(parser: argparse.ArgumentParser, command: str) -> set[str]:
@@ -1137,10 +1233,64 @@ def _typed_dests(parser: argparse.ArgumentParser, command: str, argv: list[str])
     return given
 
 
+def _write(text: str) -> int | None:
+    """Print ``text`` on stdout and flush it; None when written. A reader that left
+    (``tracemem ... | head``: BrokenPipeError) is not an error of ours: 0, quietly, with stdout
+    pointed at /dev/null so the interpreter's own flush at exit does not fail again. Any other
+    write error (``> /dev/full``: ENOSPC) is one line on stderr and exit code 1."""
+    import os
+
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout has no descriptor (a test's StringIO)
+            pass
+        return 0
+    except OSError as error:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        print(f"tracemem: error: cannot write the output: {error.strerror or error}",
+              file=sys.stderr)
+        return 1
+    return None
+
+
+def _check_flag_names(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """A mistyped flag (``--recompte``, ``--world-szie``) as the usage error, named, with the
+    closest flag of its command, before argparse would report something else first (a
+    required ``--world-size`` missing) or no suggestion. Tokens after ``--megatron-args`` are
+    Megatron's."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = next((t for t in argv if not t.startswith("-")), None)
+    if command not in sub.choices:
+        return  # argparse names the bad command
+    sub_parser = sub.choices[command]
+    options = {opt for action in sub_parser._actions for opt in action.option_strings}
+    for token in argv[argv.index(command) + 1:]:
+        if token == "--megatron-args":
+            break
+        name = token.split("=", 1)[0]
+        if not name.startswith("--") or name == "--" or name in options:
+            continue
+        close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.8)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        sub_parser.error(f"unrecognized argument {name}{hint}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point. Returns the exit code: 0, or 2 for a usage error."""
+    """Entry point. Returns the exit code: 0, 2 for a usage error, 1 when stdout cannot be
+    written (a full disk; a closed pipe is 0) or when ``validate --against megatron-core``
+    finds a difference its residue does not name."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    _check_flag_names(parser, argv)
     args = parser.parse_args(argv)
     args.given = _typed_dests(parser, args.command, argv)
     args.options = _options(parser, args.command)
@@ -1160,18 +1310,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(note, file=sys.stderr)
     elif not getattr(args, "json", False):
         out = _override_note(args) + out
-    try:
-        print(out)
-    except BrokenPipeError:  # `tracemem ... | head`: the reader left; not an error of ours
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    code = _write(out)
+    if code is not None:
+        return code
     if args.command == "demo":  # the deprecated alias of toy
         print("tracemem: note: 'tracemem demo' is now 'tracemem toy' (this small built-in "
               "transformer); 'make demo' runs 'tracemem estimate' on DeepSeek-V3. The 'demo' "
               "alias will be removed.", file=sys.stderr)
-    return 0
+    return getattr(args, "exit_code", 0)
 
 
 if __name__ == "__main__":

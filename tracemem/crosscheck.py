@@ -83,10 +83,37 @@ def _layer_part(infos: list, layer: int, part: str) -> list:
     return [i for i in infos if i.module.startswith(prefixes)]
 
 
+def _check_batch(b, s, heads: int) -> None:
+    """``b`` and ``s`` bounded where they enter, as a ``Job`` bounds its own
+    (``tracemem.job``): positive integers, at most 2^32 tokens, and the eager attention's
+    b x heads x s x s fp32 scores in at most 1 PiB.
+
+    Raises:
+        TracememError: the first bound that fails, naming --b or --s.
+    """
+    from tracemem.errors import TracememError
+    from tracemem.job import MAX_TOKENS, check_tensor_bytes
+
+    for flag, value in (("--b", b), ("--s", s)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise TracememError(f"{flag} {value!r:.60} must be a positive integer")
+    if b * s > MAX_TOKENS:
+        raise TracememError(f"--b {b} x --s {s} = {b * s:,} tokens per microbatch is more "
+                            f"than 2^32; no machine holds one layer's activations for that")
+    check_tensor_bytes(f"the eager attention scores, b {b} x {heads} heads x s {s} x s {s} x "
+                       f"4 B", b * heads * s * s * 4)
+
+
 def paper_rows(b: int = 1, s: int = 4096, num_microbatches: int = 16) -> list[Row]:
     """The cross-check table for arXiv 2502.07846 at micro-batch size ``b`` and sequence
-    length ``s`` (see the module docstring)."""
+    length ``s`` (see the module docstring).
+
+    Raises:
+        TracememError: ``b`` or ``s`` not a positive integer or out of bounds
+            (``_check_batch``).
+    """
     cfg = load_config("deepseek-v3")
+    _check_batch(b, s, cfg.num_attention_heads)
     p = paper.PAPER_V3
     par = ParallelConfig.create(cfg, zero=3, **PAPER_LAYOUT)
     model = build_rank(cfg, par, STAGE * (par.world_size // par.pp), dtype=torch.bfloat16)
@@ -205,8 +232,15 @@ def korthikanti_rows(s: int = 2048, b: int = 1, h: int = 1024, a: int = 16,
     """Korthikanti et al. 2022 (arXiv 2205.05198) against a traced GPT-style layer
     (``tracemem.validation.cases.EagerAttentionBlock``: LayerNorm, fused QKV, eager causal
     attention, output projection, LayerNorm, 4h GELU MLP; no dropout, no TP) in bf16, and their
-    pipeline first-stage factors against tracemem's schedules."""
+    pipeline first-stage factors against tracemem's schedules.
+
+    Raises:
+        TracememError: ``b`` or ``s`` not a positive integer or out of bounds
+            (``_check_batch``).
+    """
     from torch.utils.checkpoint import checkpoint
+
+    _check_batch(b, s, a)
 
     from tracemem.formulas import korthikanti
     from tracemem.schedules import inflight_peak, schedule

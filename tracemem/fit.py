@@ -446,6 +446,133 @@ def _groups(layouts: Iterable[Layout]) -> list[list[Layout]]:
     return sorted(families.values(), key=len, reverse=True)
 
 
+# Seconds to wait for a Ray cluster's address to answer before ray.init, and Ray's own
+# connection attempts to its GCS (RAY_gcs_server_port_wait_time_s, about 1 s + one connection
+# timeout each; Ray's default retries for about 120 s, printing nothing).
+RAY_CONNECT_TIMEOUT_S = 10
+RAY_GCS_RETRIES = 5
+RAY_INIT_TIMEOUT_S = 60  # the whole ray.init: starting a local instance takes ~7 s here
+
+
+def _ray_init(ray, address: str | None) -> None:
+    """``ray.init`` that fails in bounded time with one line, and that a signal stops.
+
+    An explicit ``host:port`` (or ``ray://host:port``) address is tried first with a plain TCP
+    connection (``RAY_CONNECT_TIMEOUT_S``): nothing listening is a one-line error at once,
+    where Ray retries for about two minutes. Connecting to a given address, Ray's own GCS
+    retries are bounded by ``RAY_gcs_server_port_wait_time_s`` (``RAY_GCS_RETRIES``, unless the
+    environment sets it). Python's handlers and timeouts do not run while Ray's C++ client
+    waits in the main thread (where Ray must be started: started in another thread, its
+    tasks never return): ``_Watchdog`` ends the process on SIGTERM at once and, from the CLI
+    (``EXIT_ON_RAY_TIMEOUT``), after ``RAY_INIT_TIMEOUT_S`` with one line.
+
+    Raises:
+        TracememError: the address does not answer, or Ray does not start or connect.
+    """
+    import socket
+
+    where = f"--engine ray --address {address}"
+    host, _, port = (address or "").removeprefix("ray://").rpartition(":")
+    if address not in (None, "auto") and host and port.isdigit():
+        try:
+            socket.create_connection((host.strip("[]"), int(port)),
+                                     timeout=RAY_CONNECT_TIMEOUT_S).close()
+        except (OSError, OverflowError, ValueError) as error:
+            reason = (f"no answer in {RAY_CONNECT_TIMEOUT_S} s" if isinstance(error, TimeoutError)
+                      else str(error) or type(error).__name__)
+            raise TracememError(f"{where}: nothing answers there ({reason}); start the "
+                                f"cluster (ray start --head) or give its address, or drop "
+                                f"--address to start a local Ray instance") from None
+    # only when connecting: starting a local instance, Ray's wait for its own GCS stays Ray's
+    ours = address is not None and "RAY_gcs_server_port_wait_time_s" not in os.environ
+    if ours:
+        os.environ["RAY_gcs_server_port_wait_time_s"] = str(RAY_GCS_RETRIES)
+    watchdog = _Watchdog(where)
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    except Exception as error:  # Ray raises ConnectionError, RuntimeError, ...
+        text = str(error).strip()
+        raise TracememError(f"{where}: Ray did not start or connect: "
+                            f"{text.splitlines()[0] if text else type(error).__name__}") \
+            from None
+    finally:
+        watchdog.stop()
+        if ours:
+            os.environ.pop("RAY_gcs_server_port_wait_time_s", None)
+
+
+# Set by the CLI (tracemem fit): a ray.init still waiting after RAY_INIT_TIMEOUT_S ends the
+# process with one line and exit code 2. A library caller (a notebook) is not ended: its
+# ray.init runs to Ray's own limit.
+EXIT_ON_RAY_TIMEOUT = False
+
+
+class _Watchdog:
+    """While ``ray.init`` waits in Ray's C++ client (in the main thread, where Ray needs it),
+    Python runs no signal handler and no timeout: this thread does both. It watches the
+    interpreter's signal wakeup descriptor (``signal.set_wakeup_fd``: written at once by the
+    C-level handler), so a SIGTERM ends the process at once (exit 143, SIGTERM's own
+    meaning), and, with ``EXIT_ON_RAY_TIMEOUT``, it ends it after ``RAY_INIT_TIMEOUT_S`` with
+    one line naming ``where``. Outside the main thread it does nothing."""
+
+    def __init__(self, where: str) -> None:
+        import signal
+        import threading
+
+        self.previous = None
+        self.read, self.write = os.pipe()
+        self.done = threading.Event()
+        try:
+            os.set_blocking(self.write, False)
+            self.previous = signal.set_wakeup_fd(self.write)
+        except ValueError:  # not the main thread
+            self._close()
+            return
+        self.thread = threading.Thread(target=self._watch, args=(where,), daemon=True,
+                                       name="tracemem-ray-watchdog")
+        self.thread.start()
+
+    def _watch(self, where: str) -> None:
+        import select
+        import signal
+        import sys
+
+        deadline = time.monotonic() + RAY_INIT_TIMEOUT_S
+        while not self.done.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 and EXIT_ON_RAY_TIMEOUT:
+                print(f"tracemem: error: {where}: Ray did not start or connect in "
+                      f"{RAY_INIT_TIMEOUT_S} s; check that a Ray cluster's GCS listens there "
+                      f"(ray status)", file=sys.stderr, flush=True)
+                os._exit(2)
+            ready, _, _ = select.select([self.read], [], [], max(0.05, min(left, 0.5)))
+            if ready and not self.done.is_set():
+                for signum in os.read(self.read, 64):
+                    if signum == signal.SIGTERM:
+                        print(f"tracemem: stopped by SIGTERM while {where} connected",
+                              file=sys.stderr, flush=True)
+                        os._exit(128 + signal.SIGTERM)
+
+    def stop(self) -> None:
+        import signal
+
+        if self.previous is None:
+            return
+        self.done.set()
+        self.thread.join(1)
+        signal.set_wakeup_fd(self.previous)
+        self._close()
+        self.previous = None
+
+    def _close(self) -> None:
+        for fd in (self.read, self.write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 class _Engine:
     """Runs groups of layouts (``_run_group``) and hands each group's result to ``report``
     as it completes: in this process (one local worker), in ``concurrent.futures`` worker
@@ -462,13 +589,7 @@ class _Engine:
                     from None
             self.ray = ray
             if not ray.is_initialized():
-                try:
-                    ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                             configure_logging=False)
-                except Exception as error:  # Ray raises ConnectionError, RuntimeError, ...
-                    raise TracememError(f"--engine ray --address {address}: Ray did not "
-                                        f"start or connect: "
-                                        f"{str(error).splitlines()[0]}") from None
+                _ray_init(ray, address)
                 self.started = True
             self.task = ray.remote(_run_group)
         elif workers > 1:
@@ -495,8 +616,12 @@ class _Engine:
             for future in cf.as_completed(futures):
                 report(*future.result())
         else:
-            for group in groups:
-                report(*_run_group(job[0], group, *job[1:], screen))
+            from tracemem.torch_state import preserved_torch_state
+
+            for group in groups:  # in this process: its torch state kept (an interrupt)
+                with preserved_torch_state():
+                    done = _run_group(job[0], group, *job[1:], screen)
+                report(*done)
 
     def close(self) -> None:
         if self.pool is not None:

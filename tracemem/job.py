@@ -10,6 +10,14 @@ the parsed sizes, the kernel profile, the routing model). A change is a new job:
 ``dataclasses.replace(job, recompute="full")`` validates again; nothing passes dictionaries of
 keywords around.
 
+Bounds: every size is bounded here, once, before anything is built or multiplied (so a huge
+value is a one-line error, not an int64 overflow or a hang): at most ``MAX_WORLD_SIZE`` GPUs,
+``MAX_VIRTUAL_STAGES`` pp x vpp, ``MAX_TOKENS`` tokens and ``MAX_MICROBATCHES`` microbatches,
+``MAX_ROUNDING`` bytes of rounding, and no activation above ``MAX_TENSOR_BYTES``
+(``_check_activation_bytes``); the model's own sizes are its config's
+(``modeling.common.config``, ``modeling.registry.check_model_size``). The CLI's layout flags
+pass the same ``check_layout_bounds``.
+
 Batch: give ``num_microbatches`` (M, per pipeline per step) or ``global_batch_size`` (G,
 sequences per step), or both when they agree. M = G / (b x DP) must be an integer
 (Megatron-LM ``megatron/core/num_microbatches_calculator.py``,
@@ -34,16 +42,33 @@ from typing import Any
 
 from tracemem.errors import TracememError
 
-__all__ = ["Job", "parse_bytes", "check_job", "NON_PYTORCH_MEMORY_DEFAULT", "MAX_TOKENS",
-           "MAX_MICROBATCHES", "MAX_HBM_BYTES", "MAX_EP_CLASSES", "RENAMED", "job_fields",
-           "padded_vocab_size", "check_fields", "GPUS"]
+__all__ = ["Job", "parse_bytes", "size_unit", "BINARY_UNITS", "DECIMAL_UNITS", "check_job",
+           "NON_PYTORCH_MEMORY_DEFAULT", "MAX_TOKENS", "MAX_MICROBATCHES", "MAX_HBM_BYTES",
+           "MAX_EP_CLASSES", "MAX_WORLD_SIZE", "MAX_VIRTUAL_STAGES", "MAX_ROUNDING",
+           "MAX_TENSOR_BYTES", "RENAMED", "job_fields", "padded_vocab_size", "check_fields",
+           "check_layout_bounds", "check_tensor_bytes", "GPUS"]
 
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+# Size units: binary (IEC, 2^10 steps) and decimal (SI, 10^3 steps, as GPU data sheets print
+# "80 GB"); a plain number is bytes. Matched without regard to case ("80gib", "80 GB").
+BINARY_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+DECIMAL_UNITS = {"kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS = {"B": 1, **BINARY_UNITS, **DECIMAL_UNITS}
 
 MAX_HBM_BYTES = 2**50  # 1 PiB: more than any accelerator holds
 MAX_TOKENS = 2**32  # tokens per microbatch (b x s): beyond any machine's memory for one layer
-MAX_MICROBATCHES = 2**20  # microbatches per step: the replay is linear in them
+# Microbatches per step: the replay simulates every allocation of every microbatch through the
+# caching allocator, linear in M: deepseek-tiny on PP 2 takes about 25 ms per microbatch
+# (M 1,000: 40 s; M 4,000: 110 s, this 2-core machine), a real model more per microbatch. 2^12
+# keeps the worst case to minutes and is above what jobs run (M = G / (b x DP): 1,024 at G 1,024
+# sequences on DP 1).
+MAX_MICROBATCHES = 2**12
 MAX_EP_CLASSES = 8  # default cap on EP-rank classes traced per pipeline stage
+MAX_WORLD_SIZE = 2**20  # GPUs: the largest clusters hold about 2^17-2^18
+MAX_VIRTUAL_STAGES = 4096  # pp x vpp: more than any model has layers (ModelConfig MAX_LAYERS)
+MAX_ROUNDING = 2**30  # --rounding: the caching allocator's block is 512 B; 1 GiB is past any use
+# One tensor above this is refused before tracing: no device holds it, and a size near 2^63
+# bytes overflows the int64 storage size torch computes (a traceback, not an estimate).
+MAX_TENSOR_BYTES = MAX_HBM_BYTES
 
 # Device memory outside PyTorch's caching allocator, added to the reserved peak when judging
 # --hbm: the CUDA context. With CUDA's lazy module loading (11.7+) it is about 300 MB
@@ -56,30 +81,58 @@ RENAMED = {"schedule_name": "schedule"}
 
 
 def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
-    """``"80GiB"`` -> 85899345920. Units: B, KiB, MiB, GiB, TiB (binary). ``zero`` also
-    accepts a size of 0.
+    """``"80GiB"`` -> 85899345920, ``"80GB"`` -> 80000000000, ``"1024"`` -> 1024. Units:
+    B, KiB, MiB, GiB, TiB (binary: 2^10 steps), kB, MB, GB, TB (decimal: 10^3 steps, as GPU data
+    sheets write "80 GB"), or none (bytes); case and a space before the unit do not matter
+    (``size_unit`` says which kind a text used). ``zero`` also accepts a size of 0.
 
     Raises:
-        TracememError: not a string, not a number followed by one of those units, below one
-            byte (other than 0 with ``zero``), or more than 1 PiB (``MAX_HBM_BYTES``: no device
-            holds that); the message names ``flag``.
+        TracememError: not a string, not a number (and a unit), below one byte (other than 0
+            with ``zero``), or more than 1 PiB (``MAX_HBM_BYTES``: no device holds that); the
+            message names ``flag``.
     """
     if not isinstance(text, str):
-        raise TracememError(f"{flag} {text!r} is invalid; give a size as text, such as 80GiB")
-    for unit in sorted(_UNITS, key=len, reverse=True):
-        if text.endswith(unit):
-            try:
-                value = float(text[:-len(unit)]) * _UNITS[unit]
-            except (ValueError, OverflowError):
-                break
+        raise TracememError(f"{flag} {_show(text)} is invalid; give a size as text, such as "
+                            f"80GiB")
+    number, unit = _split_size(text)
+    if unit is not None and len(number) <= 40:
+        try:
+            value = float(number) * _UNITS[unit]
+        except (ValueError, OverflowError):
+            value = None
+        if value is not None and unit == "B" and value == value and value < 2**20 \
+                and not zero and text.strip()[-1:] not in "bB":
+            raise TracememError(f"{flag} {text!r} is {value:g} bytes; give a unit, such as "
+                                f"{number}GB (decimal) or {number}GiB (binary)")
+        if value is not None:
             if 1 <= value <= MAX_HBM_BYTES or (zero and value == 0):
                 return int(value)
             if value > MAX_HBM_BYTES:  # inf included; NaN compares false
-                raise TracememError(f"{flag} {text!r} is more than 1 PiB; no device holds that")
-            break
-    raise TracememError(f"{flag} {text!r} is invalid; give a {'' if zero else 'positive '}"
-                        f"size of whole bytes such as 80GiB or 141GiB (units "
-                        f"{', '.join(_UNITS)})")
+                raise TracememError(f"{flag} {text!r} is more than 1 PiB; no device holds "
+                                    f"that")
+    raise TracememError(f"{flag} {_show(text)} is invalid; give a {'' if zero else 'positive '}"
+                        f"size of whole bytes such as 80GiB (binary: KiB, MiB, GiB, TiB), 80GB "
+                        f"(decimal: kB, MB, GB, TB) or a number of bytes")
+
+
+def _split_size(text: str) -> tuple[str, str | None]:
+    """``"80 GB"`` -> ``("80", "GB")``; ``"1024"`` -> ``("1024", "B")``; an unknown unit ->
+    ``(text, None)``."""
+    stripped = text.strip()
+    lower = stripped.lower()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if lower.endswith(unit.lower()):
+            return stripped[:-len(unit)].strip(), unit
+    if stripped[-1:].isdigit() or stripped.endswith("."):
+        return stripped, "B"
+    return stripped, None
+
+
+def size_unit(text: str) -> str:
+    """The kind of unit a size text (``parse_bytes``) used: "binary", "decimal" or "bytes"."""
+    unit = _split_size(text)[1]
+    return "binary" if unit in BINARY_UNITS else "decimal" if unit in DECIMAL_UNITS else \
+        "bytes"
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int | None, tp: int) -> int:
@@ -92,9 +145,80 @@ def padded_vocab_size(vocab_size: int, divisible_by: int | None, tp: int) -> int
     return -(-vocab_size // multiple) * multiple
 
 
-def _positive(flag: str, value: Any) -> None:
+def _positive(flag: str, value: Any, limit: int | None = None, why: str = "") -> None:
+    """Raises: TracememError: ``value`` is not a positive int, or is above ``limit`` (the
+    message says ``why``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise TracememError(f"{flag} {value!r} must be a positive integer")
+        raise TracememError(f"{flag} {_show(value)} must be a positive integer")
+    if limit is not None and value > limit:
+        raise TracememError(f"{flag} {value} is more than {_power(limit)}{why}")
+
+
+def _show(value: Any) -> str:
+    """``repr``, cut short (a huge integer or a long string stays one short line)."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 200 else \
+        f"2^{value.bit_length() - 1}+"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _power(n: int) -> str:
+    """``2**20`` -> ``"2^20"``; other numbers with thousands separators."""
+    return f"2^{n.bit_length() - 1}" if n > 1 and n & (n - 1) == 0 else f"{n:,}"
+
+
+def check_layout_bounds(world_size: Any, **degrees: Any) -> None:
+    """The sizes of a layout bounded where they enter (a ``Job``, the CLI's layout flags), so
+    that no later step builds a list of 2^31 stages or multiplies past int64: the world size at
+    most ``MAX_WORLD_SIZE``, pp x vpp at most ``MAX_VIRTUAL_STAGES``. Types, degrees and
+    divisibility are ``ParallelConfig``'s (each degree divides the world size).
+
+    Raises:
+        TracememError: the first size out of bounds, naming the flag.
+    """
+    _positive("--world-size", world_size, MAX_WORLD_SIZE,
+              " GPUs; the largest clusters hold about 2^18")
+    vpp, pp = degrees.get("vpp"), degrees.get("pp")
+    ints = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (vpp, pp))
+    if ints and pp * vpp > MAX_VIRTUAL_STAGES:
+        raise TracememError(f"--pp {pp} x --vpp {vpp} = {pp * vpp:,} virtual stages is more "
+                            f"than {MAX_VIRTUAL_STAGES:,}; no model has that many layers to "
+                            f"place")
+
+
+def check_tensor_bytes(what: str, nbytes: int) -> None:
+    """Raises: TracememError: one tensor of ``nbytes`` (``what`` says which, with its
+    factors) is more than ``MAX_TENSOR_BYTES``."""
+    if nbytes > MAX_TENSOR_BYTES:
+        raise TracememError(f"{what} = {_big(nbytes)} B in one tensor is more than 1 PiB; no "
+                            f"device holds it (lower the sizes)")
+
+
+def _big(n: int) -> str:
+    return f"{n:,}" if n.bit_length() < 100 else f"about 2^{n.bit_length() - 1}"
+
+
+def _check_activation_bytes(config, micro_batch_size: int, seq_length: int,
+                            attention: str) -> None:
+    """The largest activation of a microbatch bounded before tracing (``check_tensor_bytes``),
+    conservatively: b x s tokens before any split, times the widest per-token row (the
+    vocabulary's logits, the MLP, the attention projections, the routed experts' rows), at 4
+    bytes (fp32); and, for an attention kernel that keeps the s x s scores (all but flash),
+    b x heads x s x s x 4. A bound, not an estimate."""
+    tokens = micro_batch_size * seq_length
+    widths = {"vocab_size": config.vocab_size, "intermediate_size": config.intermediate_size,
+              "hidden_size": config.hidden_size,
+              "heads x head dim": config.num_attention_heads * (config.qk_head_dim or 1),
+              "top-k x hidden_size": config.num_experts_per_tok * config.hidden_size,
+              "top-k x moe_intermediate_size": config.num_experts_per_tok * max(
+                  config.moe_intermediate_size, config.shared_experts_width)}
+    name, width = max(widths.items(), key=lambda kv: kv[1])
+    check_tensor_bytes(f"b {micro_batch_size} x s {seq_length} x {name} {width:,} x 4 B",
+                       tokens * width * 4)
+    if attention != "flash":
+        heads = config.num_attention_heads
+        check_tensor_bytes(f"--attention {attention} keeps the s x s scores: b "
+                           f"{micro_batch_size} x {heads} heads x s {seq_length} x s "
+                           f"{seq_length} x 4 B", tokens * heads * seq_length * 4)
 
 
 def check_job(par, *, micro_batch_size: int, seq_length: int, num_microbatches: int,
@@ -120,8 +244,10 @@ def check_job(par, *, micro_batch_size: int, seq_length: int, num_microbatches: 
             f"{micro_batch_size * seq_length:,} tokens per microbatch is more than 2^32; no "
             f"machine holds one layer's activations for that")
     if num_microbatches > MAX_MICROBATCHES:
-        raise TracememError(f"--num-microbatches {num_microbatches} is more than 2^20; the "
-                            f"replay's work grows with it (and no job runs that many)")
+        raise TracememError(f"--num-microbatches {num_microbatches} is more than 2^12 "
+                            f"(4,096): the replay simulates every allocation of every "
+                            f"microbatch (about 25 ms each on a tiny model), and jobs run "
+                            f"fewer per step")
     if par.tp > 1 and par.ep > 1 and not par.sp:
         raise TracememError("--tp > 1 with --ep > 1 needs --sp (Megatron-Core's "
                             "ModelParallelConfig: with expert and tensor parallelism, sequence "
@@ -198,7 +324,9 @@ class Job:
         schedule: ``tracemem.schedules.SCHEDULES``.
         recompute ("none", "selective", "full"), recompute_modules (under selective;
             ``modeling.common.block.RECOMPUTE_MODULES``, default core_attn),
-            recompute_method ("uniform", "block") and recompute_num_layers (under full).
+            recompute_method ("uniform", "block") and recompute_num_layers (under full);
+            distribute_saved_activations: Megatron's --distribute-saved-activations (full
+            recompute, TP > 1 without SP: each checkpoint keeps 1 / TP of its input).
         attention, experts: the attention and expert kernels. kernels, kernel_options: the
             kernel profile and its options (``modeling.kernels``).
         routing, seed: the routing model (``modeling.common.routing.parse_routing``);
@@ -210,6 +338,9 @@ class Job:
         hbm: device memory per GPU ("80GiB"), or None; non_pytorch_memory: memory outside
             PyTorch's allocator added to the reserved peak (``NON_PYTORCH_MEMORY_DEFAULT``);
             alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` string for the simulated allocator.
+            cublas_workspace_config: a ``CUBLAS_WORKSPACE_CONFIG`` string (``:SIZE:COUNT``
+            pairs, KiB), the size of PyTorch's cuBLAS workspaces (``tracemem.workspaces``);
+            None: torch's default for the GPU.
         replace: the user's own layers (``modeling.common.custom.resolve_replacements``).
         make_vocab_size_divisible_by: Megatron's vocabulary padding (module docstring).
         gpu: the GPU kind (``GPUS``), what the allocations below the dispatcher depend on
@@ -264,6 +395,7 @@ class Job:
     recompute_modules: tuple[str, ...] = ("core_attn",)
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    distribute_saved_activations: bool = False
     # kernels
     attention: str = "flash"
     experts: str = "auto"
@@ -281,6 +413,7 @@ class Job:
     hbm: str | None = None
     non_pytorch_memory: str = NON_PYTORCH_MEMORY_DEFAULT
     alloc_conf: str | None = None
+    cublas_workspace_config: str | None = None
     replace: Any = None
     make_vocab_size_divisible_by: int | None = None
     gpu: str | None = None
@@ -302,6 +435,8 @@ class Job:
 
     def __post_init__(self) -> None:
         from modeling import ModelConfig, load_config
+        from modeling.common.config import MAX_SIZE
+        from modeling.registry import check_model_size
         from modeling.common.block import RECOMPUTE_MODES, RECOMPUTE_MODULES
         from modeling.common.custom import resolve_replacements
         from modeling.common.routing import parse_routing
@@ -315,11 +450,16 @@ class Job:
         if self.origin not in ORIGINS:
             raise TracememError(f"Job origin {self.origin!r} is invalid; choose one of "
                                 f"{', '.join(ORIGINS)}")
+        self._check_types()
         model = self.model if isinstance(self.model, ModelConfig) else load_config(self.model)
+        check_model_size(model)  # load_config checked a file's; a ModelConfig given as is
         put(self, "model", model)
-        _positive("--world-size", self.world_size)
+        check_layout_bounds(self.world_size, pp=self.pp, vpp=self.vpp)
+        _positive("--micro-batch-size", self.micro_batch_size)  # before any product of them
+        _positive("--seq-length", self.seq_length)
         if self.make_vocab_size_divisible_by is not None:
-            _positive("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by)
+            _positive("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by,
+                      MAX_SIZE, " (no vocabulary is that large)")
         if self.tp is not None and isinstance(self.tp, int) and not isinstance(self.tp, bool) \
                 and self.tp > 0:
             config = replace(model, vocab_size=padded_vocab_size(
@@ -330,7 +470,9 @@ class Job:
         par = ParallelConfig.create(config, world_size=self.world_size, **{
             name: getattr(self, name) for name in _LAYOUT_FIELDS})
         put(self, "parallel", par)
-        put(self, "recompute_modules", tuple(self.recompute_modules))
+        modules = self.recompute_modules
+        put(self, "recompute_modules", (modules,) if isinstance(modules, str) else
+            tuple(modules))
         if self.recompute not in RECOMPUTE_MODES:
             raise TracememError(f"--recompute {self.recompute!r} is invalid; choose one of "
                                 f"{', '.join(RECOMPUTE_MODES)}")
@@ -345,12 +487,16 @@ class Job:
                                      seq_length=self.seq_length, num_microbatches=m,
                                      schedule=self.schedule, recompute=self.recompute,
                                      moe=config.is_moe))
+        _check_activation_bytes(config, self.micro_batch_size, self.seq_length, self.attention)
         _positive("--max-ep-classes", self.max_ep_classes)
         rounding = self.rounding
         if rounding is not None and (isinstance(rounding, bool) or not isinstance(rounding, int)
                                      or rounding < 0):
-            raise TracememError(f"--rounding {rounding!r} must be 0 (exact bytes) or a positive "
-                                f"number of bytes")
+            raise TracememError(f"--rounding {_show(rounding)} must be 0 (exact bytes) or a "
+                                f"positive number of bytes")
+        if rounding is not None and rounding > MAX_ROUNDING:
+            raise TracememError(f"--rounding {rounding} is more than 2^30 (1 GiB); the CUDA "
+                                f"caching allocator rounds to 512 B")
         put(self, "rounding", rounding or None)  # 0: exact bytes, as None
         check_recompute_method(self.recompute, self.recompute_method, self.recompute_num_layers)
         hbm_bytes = parse_bytes(self.hbm) if self.hbm is not None else None
@@ -361,7 +507,8 @@ class Job:
             if options.setdefault("gradient_accumulation_fusion", fusion) != fusion:
                 raise TracememError(f"gradient_accumulation_fusion={fusion} and kernel_options' "
                                     f"gradient_accumulation_fusion disagree; give one")
-        put(self, "profile", get_profile(self.kernels, **options))
+        # megatron-te's attention_backend "auto" is TE's choice per GPU architecture
+        put(self, "profile", get_profile(self.kernels, gpu_arch=GPUS.get(self.gpu), **options))
         put(self, "kernel_options", dict(self.kernel_options or {}))
         check_optimizer(self.optimizer, par)
         put(self, "alloc_config", parse_alloc_conf(self.alloc_conf))
@@ -377,6 +524,56 @@ class Job:
             raise TracememError(f"--gpu {self.gpu!r} is invalid; choose one of "
                                 f"{', '.join(GPUS)}")
 
+    def _check_types(self) -> None:
+        """The fields whose wrong type would otherwise end in a raw ``TypeError`` deeper down
+        (a list where a name goes, a string where a mapping goes).
+
+        Raises:
+            TracememError: the first such field, named as its flag, with what it takes.
+        """
+        def refuse(flag: str, value: Any, takes: str):
+            raise TracememError(f"{flag} {_show(value)} is invalid; give {takes}")
+
+        from modeling.kernels import KernelProfile
+
+        if not isinstance(self.kernels, (str, KernelProfile)):
+            refuse("--kernels", self.kernels, "a profile name as a string, such as "
+                                              "'megatron-te'")
+        if self.kernel_options is not None and not isinstance(self.kernel_options, Mapping):
+            refuse("kernel_options", self.kernel_options,
+                   "a dict of option names to values, such as {'te_version': '2.17'}")
+        modules = self.recompute_modules
+        if not isinstance(modules, (str, tuple, list)) or (
+                not isinstance(modules, str) and not all(isinstance(m, str) for m in modules)):
+            refuse("--recompute-modules", modules, "module names (a tuple of strings), such "
+                                                   "as ('core_attn',)")
+        for flag, value in (("--alloc-conf", self.alloc_conf), ("--gpu", self.gpu),
+                            ("cublas_workspace_config", self.cublas_workspace_config)):
+            if value is not None and not isinstance(value, str):
+                refuse(flag, value, "a string")
+        for name in ("attention", "experts", "recompute", "recompute_method", "optimizer"):
+            value = getattr(self, name)  # a name, looked up in a table (a list is unhashable)
+            if not isinstance(value, str):
+                refuse("--" + name.replace("_", "-"), value, "a name as a string")
+        if self.pp_layout is not None and not isinstance(self.pp_layout, (tuple, list)):
+            refuse("--pp-layout", self.pp_layout, "one integer per virtual pipeline stage "
+                                                  "(a tuple), such as (4, 4, 4, 1)")
+        if isinstance(self.megatron_args, str) or not isinstance(
+                self.megatron_args, (tuple, list)) or not all(
+                    isinstance(a, str) for a in self.megatron_args):
+            refuse("megatron_args", self.megatron_args, "a tuple of strings")
+        if self.replace is not None and not isinstance(self.replace, (Mapping, tuple, list)):
+            refuse("--replace", self.replace, "a list of 'kind=module:Name' strings or a dict "
+                                              "of kind to layer")
+        for flag, value in (("deallocate_pipeline_outputs", self.deallocate_pipeline_outputs),
+                            ("zero3_prefetch", self.zero3_prefetch),
+                            ("account_for_embedding_in_pipeline_split",
+                             self.account_for_embedding_in_pipeline_split),
+                            ("account_for_loss_in_pipeline_split",
+                             self.account_for_loss_in_pipeline_split)):
+            if not isinstance(value, bool):
+                refuse(flag, value, "True or False")
+
     def _microbatches(self, par) -> int:
         """M from ``num_microbatches`` or ``global_batch_size`` (module docstring)."""
         m, g, b = self.num_microbatches, self.global_batch_size, self.micro_batch_size
@@ -384,6 +581,7 @@ class Job:
             raise TracememError("give --num-microbatches (M, per pipeline per step) or "
                                 "--global-batch-size (G sequences per step; M = G / (b x DP))")
         if g is None:
+            _positive("--num-microbatches", m)
             return m
         _positive("--global-batch-size", g)
         _positive("--micro-batch-size", b)
@@ -428,6 +626,7 @@ class Job:
                 "schedule": self.schedule, "recompute": self.recompute,
                 "recompute_method": self.recompute_method if full else None,
                 "recompute_num_layers": self.recompute_num_layers if full else None,
+                "distribute_saved_activations": self.distribute_saved_activations,
                 "recompute_modules": list(self.recompute_modules)
                 if self.recompute == "selective" else [],
                 "attention": self.attention, "experts": self.experts,
@@ -439,7 +638,8 @@ class Job:
                 "optimizer": self.optimizer,
                 "replace": {kind: getattr(f, "__qualname__", repr(f))
                             for kind, f in self.replacements.items()},
-                "vocab_size": self.config.vocab_size, "origin": self.origin, "gpu": self.gpu}
+                "vocab_size": self.config.vocab_size, "origin": self.origin, "gpu": self.gpu,
+                "cublas_workspace_config": self.cublas_workspace_config}
 
 
 def job_fields() -> tuple[str, ...]:

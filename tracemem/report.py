@@ -190,11 +190,26 @@ def get_verdict(result) -> dict[str, Any]:
             + result.settings.get("non_pytorch_memory_bytes", 0)}
 
 
-def format_verdict(verdict: dict[str, Any], units: str = "GiB") -> str:
+def _hbm_label(hbm: int, units: str, given: str | None) -> str:
+    """``--hbm`` in the verdict, saying which units it was read in: "80 GiB" (binary, as the
+    tables), or for a decimal or plain-byte ``given`` "--hbm 80GB (decimal units, 1 GB = 10^9
+    B; = 74.51 GiB)"."""
+    from tracemem.job import size_unit
+
+    label = _size_label(hbm, units, given=True)
+    if given is None or size_unit(given) == "binary":
+        return label
+    kind = "decimal units, 1 GB = 10^9 B" if size_unit(given) == "decimal" else "bytes"
+    return f"--hbm {given.strip()} ({kind}; = {_size_label(hbm, 'GiB')})"
+
+
+def format_verdict(verdict: dict[str, Any], units: str = "GiB", hbm_given: str | None = None
+                   ) -> str:
     """One line: "6 of 16 pipeline stages exceed 80 GiB (stages 1-6); the worst is stage 1 at
     98.62 GiB; the most a rank needs is 100.13 GiB (reserved + non-PyTorch memory)." A stage
     exceeds ``--hbm`` when a rank's reserved peak plus the non-PyTorch memory does
-    (``RankEstimate.fits``)."""
+    (``RankEstimate.fits``). ``hbm_given``: ``--hbm`` as typed, so a decimal (80GB) or
+    plain-byte size is said to be one (``_hbm_label``)."""
     units = pick_units(verdict["worst_peak_bytes"]) if units == "auto" else units
     where = f"stage {verdict['worst_pp_stage']}" + (
         "" if verdict["worst_ep_rank"] is None else f" (EP rank {verdict['worst_ep_rank']})")
@@ -205,12 +220,12 @@ def format_verdict(verdict: dict[str, Any], units: str = "GiB") -> str:
     stage_word = "pipeline stage" if n == 1 else "pipeline stages"
     if not over:
         spare = hbm - verdict["worst_needed_bytes"]
-        return (f"Verdict: all {n} {stage_word} fit in {_size_label(hbm, units, given=True)}; "
+        return (f"Verdict: all {n} {stage_word} fit in {_hbm_label(hbm, units, hbm_given)}; "
                 f"{worst} ({_size_label(spare, units)} to spare).")
     listed = "stage" if len(over) == 1 else "stages"
     exceed = "exceeds" if len(over) == 1 else "exceed"
     return (f"Verdict: {len(over)} of {n} {stage_word} {exceed} "
-            f"{_size_label(hbm, units, given=True)} ({listed} {_format_stages(over)}); {worst}; "
+            f"{_hbm_label(hbm, units, hbm_given)} ({listed} {_format_stages(over)}); {worst}; "
             f"the most a rank needs is {_size_label(verdict['worst_needed_bytes'], units)} "
             f"(reserved + non-PyTorch memory).")
 
@@ -284,7 +299,8 @@ def _legend(result, units: str) -> list[str]:
     else:
         lines.append(f"EP rank: under routing {result.settings.get('routing')}, each row is "
                      f"one class of the stage's EP ranks, those whose experts receive the same "
-                     f"token counts in every MoE layer: traced once, they share its peak"
+                     f"token counts in every MoE layer: traced once, they share its peak; "
+                     f"each stage's worst class first"
                      + ('; "-": all of the stage\'s EP ranks alike (no MoE layer there, or '
                         'the same counts).' if any(r.ep_rank is None for r in result.ranks)
                         else "."))
@@ -356,7 +372,9 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
     spans = stage_ranks(result.parallel)
     rows = []
     below = any(r.workspace_bytes for r in result.ranks)  # a GPU named: workspaces counted
-    for r in result.ranks:
+    # a stage's rows (EP-rank classes under skewed routing) its worst first: the stage's
+    # maximum is its first row, however many classes follow
+    for r in sorted(result.ranks, key=lambda r: (r.pp_stage, -r.peak_bytes)):
         fits_cell = "" if r.fits is None else ("yes" if r.fits else "NO")  # reserved-based
         rows.append([r.pp_stage, _format_spans(spans[r.pp_stage]),
                      _ep_ranks_text(r)]
@@ -399,7 +417,8 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
             f"{worst.peak_step or '-'} with {held}; "
             f"largest item: {item} ({_size_label(size, units)}).")
     lines = [head, "", table, "", *_legend(result, units), _allocator_legend(result, units),
-             "", tail, format_verdict(get_verdict(result), units)]
+             "", tail, format_verdict(get_verdict(result), units,
+                                                     getattr(result.job, "hbm", None))]
     if fits is not None:
         lines += ["", format_fits(fits, result, units)]
     return "\n".join(lines)

@@ -209,6 +209,7 @@ class Observed(RoutingModel):
 
 
 MAX_COUNTS_FILE_BYTES = 64 * 2**20  # a counts file for 1,000 layers of 1,000 experts is ~10 MB
+MAX_COUNT = 2**63  # the largest count (token-slots of one expert) a counts file may hold
 
 
 def _load_counts(path: str) -> Counts:
@@ -230,7 +231,15 @@ def _load_counts(path: str) -> Counts:
     def as_list(values, where: str) -> tuple[float, ...]:
         if not isinstance(values, list) or not values or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
-                and math.isfinite(v) for v in values) or not math.isfinite(sum(values)):
+                for v in values):
+            raise TracememError(f"--routing counts:{path}: {where} must be a non-empty list "
+                                f"of non-negative numbers")
+        # a count above 2^63 is no layer's (tokens per microbatch are at most 2^32, tracemem.
+        # job.MAX_TOKENS), and a float of such an integer overflows (math.isfinite, sum)
+        if any(isinstance(v, int) and v > MAX_COUNT for v in values):
+            raise TracememError(f"--routing counts:{path}: {where} holds a count above 2^63; "
+                                f"counts are token-slots per expert")
+        if not all(math.isfinite(v) for v in values) or not math.isfinite(sum(values)):
             raise TracememError(f"--routing counts:{path}: {where} must be a non-empty list "
                                 f"of non-negative numbers")
         return tuple(values)
@@ -238,9 +247,10 @@ def _load_counts(path: str) -> Counts:
     if isinstance(data, dict):
         per_layer = {}
         for key, values in data.items():
-            if not (key.isascii() and key.isdigit()):
-                raise TracememError(f"--routing counts:{path}: key {json.dumps(key)} is not a "
-                                    f"layer number (0, 1, 2, ...)")
+            if not (key.isascii() and key.isdigit() and len(key) <= 9):
+                shown = json.dumps(key if len(key) <= 40 else key[:37] + "...")
+                raise TracememError(f"--routing counts:{path}: key {shown} is not a layer "
+                                    f"number (0, 1, 2, ...)")
             per_layer[int(key)] = as_list(values, f"layer {key}")
         return Counts(per_layer=per_layer, source=path)
     return Counts(default=as_list(data, "the file"), source=path)

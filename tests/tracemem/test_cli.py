@@ -54,7 +54,7 @@ def test_validate_json_matches_the_real_peak(capsys):
     (["validate", "--case", "nope"], "argument --case: invalid choice: 'nope'"),
     (["trace"], "argument COMMAND: invalid choice: 'trace'"),
     (["estimate"], "the following arguments are required: --world-size"),
-    (["toy", "--tp", "2"], "unrecognized arguments: --tp 2"),
+    (["toy", "--tp", "2"], "error: unrecognized argument --tp (see tracemem toy --help)"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -5,7 +5,10 @@ References: Megatron-Core's rank order (megatron/core/parallel_state.py, order "
 PP slowest, so stage p of world W at PP P is ranks p * W / P to (p + 1) * W / P - 1); the
 megatron precision recipe (bf16 parameters 2 B, fp32 main grads 4 B: Megatron-LM
 theoretical_memory_usage); hand arithmetic for units; a direct ``estimate`` run of each
-change for the what-fits figures.
+change for the what-fits figures. Issue 26's first-run items (the tests at the end): SI
+decimal units (1 GB = 10^9 B) beside IEC binary ones (1 GiB = 2^30 B), the presets' Hugging Face
+repositories (each preset's "_comment" names its source), argparse's own flag names for the
+did-you-mean, and a fake clock for the progress interval.
 """
 
 import json
@@ -17,6 +20,7 @@ from modeling import load_config
 from tracemem.advice import what_fits
 from tracemem.cli import main
 from tracemem.estimator import estimate
+from tracemem.errors import TracememError
 from tracemem.parallel import ParallelConfig
 from tracemem.schedules import Step
 from tracemem.report import (
@@ -242,3 +246,152 @@ def test_stage_ranks_agree_with_coordinates_and_answer_for_any_world_size():
                for stage, [(a, b)] in spans.items() for r in range(a, b + 1))
     huge = ParallelConfig.create(load_config("deepseek-tiny"), world_size=10**12, pp=2)
     assert stage_ranks(huge)[1] == [(5 * 10**11, 10**12 - 1)]
+
+
+# issue 26: units, names, typos, progress when piped, files written, what-fits' ZeRO
+
+def test_hbm_takes_decimal_binary_and_plain_bytes():
+    from tracemem.job import parse_bytes, size_unit
+
+    assert parse_bytes("80GB") == 80 * 10**9 and size_unit("80GB") == "decimal"
+    assert parse_bytes("80 gb") == 80 * 10**9  # case and a space do not matter
+    assert parse_bytes("80GiB") == 80 * 2**30 and size_unit("80GiB") == "binary"
+    assert parse_bytes("141GB") == 141 * 10**9 and parse_bytes("1.5TB") == 15 * 10**11
+    assert parse_bytes("85899345920") == 80 * 2**30 and size_unit("85899345920") == "bytes"
+    with pytest.raises(TracememError, match=r"--hbm '80' is 80 bytes; give a unit, such as "
+                                            r"80GB \(decimal\) or 80GiB \(binary\)"):
+        parse_bytes("80")
+
+
+def test_the_verdict_says_a_decimal_hbm_is_one():
+    verdict = {"pp_stages": 2, "hbm_bytes": 80 * 10**9, "stages_over_hbm": [], "fits": True,
+               "worst_pp_stage": 0, "worst_ep_rank": None, "worst_peak_bytes": 2**30,
+               "worst_needed_bytes": 2**31}
+    # 80e9 B / 2^30 = 74.5058 GiB; spare 80e9 - 2^31 = 77,852,516,352 B = 72.5058 GiB
+    assert format_verdict(verdict, "GiB", "80GB") == (
+        "Verdict: all 2 pipeline stages fit in --hbm 80GB (decimal units, 1 GB = 10^9 B; = "
+        "74.51 GiB); the worst is stage 0 at 1.00 GiB (72.51 GiB to spare).")
+    binary = verdict | {"hbm_bytes": 80 * 2**30}
+    assert "fit in 80 GiB;" in format_verdict(binary, "GiB", "80GiB")  # as before
+
+
+@pytest.mark.parametrize("name, preset", [
+    ("DeepSeek-V3", "deepseek-v3"), ("deepseek-ai/DeepSeek-V3", "deepseek-v3"),
+    ("DEEPSEEK-TINY", "deepseek-tiny"), ("meta-llama/Meta-Llama-3-8B", "llama-3-8b"),
+    ("Mixtral-8x7B-v0.1", "mixtral-8x7b"), ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b"),
+])
+def test_presets_match_in_any_case_and_by_hugging_face_repository(name, preset):
+    assert load_config(name).name == preset
+
+
+def test_an_unknown_model_gets_a_close_preset_or_the_hub_note():
+    with pytest.raises(TracememError, match=r"did you mean 'deepseek-v3'\?"):
+        load_config("deepsek-v3")
+    with pytest.raises(TracememError, match=r"tracemem reads no model hub: download the "
+                                            r"repository's config.json and give its path"):
+        load_config("some-org/Some-Model")
+
+
+@pytest.mark.parametrize("typo, meant", [("--recompte", "--recompute"),
+                                         ("--world-szie", "--world-size")])
+def test_a_mistyped_flag_is_named_with_the_closest(capsys, typo, meant):
+    argv = ["estimate", "--model", "deepseek-tiny", typo, "1"]
+    if typo != "--world-szie":
+        argv += ["--world-size", "1"]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (f"tracemem estimate: error: unrecognized argument "
+                                       f"{typo}; did you mean {meant}? (see tracemem estimate "
+                                       f"--help)\n")
+
+
+def test_progress_when_piped_is_plain_lines_at_most_every_few_seconds():
+    import io
+
+    from tracemem.cli import _Progress
+
+    now = [0.0]
+    stream = io.StringIO()  # not a terminal
+    progress = _Progress(stream, interval=5.0, clock=lambda: now[0])  # started at t = 0
+    for t, stage in ((1, 1), (4.9, 2), (5.5, 3), (6, 4), (10, 5), (10.5, 6), (12, 7)):
+        now[0] = t
+        progress(f"tracing pipeline stage {stage}/8")
+    progress.done()  # nothing to clear off a log
+    # t 1 and 4.9: under 5 s since the start (a quick run prints nothing); 5.5: a line;
+    # 6 and 10: under 5 s since it; 10.5: a line; 12: under 5 s since
+    assert stream.getvalue() == ("tracemem: tracing pipeline stage 3/8\n"
+                                 "tracemem: tracing pipeline stage 6/8\n")
+
+
+def test_estimate_piped_says_it_works_and_names_the_files_it_wrote(capsys, tmp_path,
+                                                                    monkeypatch):
+    import tracemem.cli as cli
+
+    monkeypatch.setattr(cli, "PROGRESS_INTERVAL_S", 0)  # every message, for the test
+    argv = ["estimate", "--model", "deepseek-tiny", "--world-size", "1",
+            "--micro-batch-size", "1", "--seq-length", "16", "--num-microbatches", "1",
+            "--kernels", "eager", "--snapshot", str(tmp_path / "snaps"), "--json"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "tracemem: tracing pipeline stage 1/1",
+        f"tracemem: wrote 1 snapshot (one per rank class) into {tmp_path / 'snaps'}/: "
+        f"stage0.pickle; open them at https://pytorch.org/memory_viz or with python -m "
+        f"torch.cuda._memory_viz"]
+    assert (tmp_path / "snaps" / "stage0.pickle").is_file()
+    # --plot's line (drawing it takes a second; the sentence is what is checked here)
+    import argparse
+
+    from tracemem.cli import _say_written
+
+    _say_written(argparse.Namespace(snapshot=None, plot="step.svg"), 0)
+    assert capsys.readouterr().err == "tracemem: wrote the plot to step.svg\n"
+
+
+def test_what_fits_tries_no_zero_stage_above_3():
+    from tracemem.advice import _candidates
+    from tracemem.job import Job
+
+    job = Job(model="deepseek-tiny", world_size=2, micro_batch_size=1, seq_length=16,
+              num_microbatches=1, zero=3, kernels="eager")
+    changes = [flags for flags, *_ in _candidates(job)]
+    assert not any(flags.startswith("--zero") for flags in changes)  # was "--zero 4: invalid"
+    job2 = Job(model="deepseek-tiny", world_size=2, micro_batch_size=1, seq_length=16,
+               num_microbatches=1, zero=1, kernels="eager")
+    assert [f for f, *_ in _candidates(job2) if f.startswith("--zero")] == ["--zero 2",
+                                                                             "--zero 3"]
+
+
+def test_under_skewed_routing_each_stage_lists_its_worst_class_first(tiny):
+    from dataclasses import replace
+
+    # two EP-rank classes per stage, as skewed routing makes them, traced in rising order of
+    # peak (class {0} 1 MiB below class {1, 3}); the table lists each stage's worst first
+    ranks = []
+    for r in tiny.ranks:
+        ranks += [replace(r, ep_rank=0, ep_ranks=(0,), peak_bytes=r.peak_bytes - 2**20),
+                  replace(r, ep_rank=1, ep_ranks=(1, 3))]
+    text = format_estimate(replace(tiny, ranks=ranks), units="B")
+    rows = [line.split() for line in text.splitlines()
+            if line.strip()[:1].isdigit() and len(line.split()) > 10]
+    # stage, ranks, EP rank, ..., peak (4th from the end: peak, at step, reserved, frag.)
+    assert [(row[0], row[2], int(row[-4].replace(",", ""))) for row in rows] == [
+        (str(r.pp_stage), "1,3" if r.ep_rank == 1 else "0", r.peak_bytes)
+        for stage in (0, 1) for r in ranks[2 * stage:2 * stage + 2][::-1]]
+    assert "each stage's worst class first" in text
+
+
+def test_make_demo_installs_the_runtime_and_make_test_the_extras():
+    # the Makefile's own recipes: demo needs no pytest, megatron-core or ray
+    makefile = (ROOT / "Makefile").read_text()
+    recipes = {block.split(":", 1)[0]: block for block in makefile.split("\n\n")
+               if block[:1] == "$" or block.startswith(("demo:", "test:"))}
+    assert "demo: $(RUNTIME)" in makefile and "test: $(EXTRAS)" in makefile
+    runtime, = [b for b in recipes.values() if b.startswith("$(RUNTIME):")]
+    extras, = [b for b in recipes.values() if b.startswith("$(EXTRAS): $(RUNTIME)")]
+    assert runtime.rstrip().splitlines()[1].strip() == (
+        "$(BIN)/python -m pip install --quiet -c constraints.txt -e .")
+    assert "-e '.[test,megatron,ray]'" in extras
+    readme = (ROOT / "README.md").read_text()
+    assert "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make demo" in readme
