@@ -220,6 +220,7 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
               routing: RoutingModel, attention: str, experts: str, recompute: str,
               recompute_modules: frozenset[str], deallocate: bool,
               recompute_method: tuple[str, int] = ("uniform", 1),
+              distribute_saved_activations: bool = False,
               rounding: int | None, kernels: KernelProfile | str = "eager",
               zero3_prefetch: bool = True, where: Placement | None = None,
               kinds: frozenset[str] = frozenset("B"), replace=None
@@ -234,7 +235,11 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
     gathers = Zero3Gathers(zero3_prefetch).install(model) if par.zero == 3 else None
     for module in model.modules():
         if isinstance(module, (Block, CustomBlock)):
-            module.set_recompute(recompute, recompute_modules)
+            if isinstance(module, Block):
+                module.set_recompute(recompute, recompute_modules,
+                                     distribute_saved_activations)
+            else:
+                module.set_recompute(recompute, recompute_modules)
     if recompute == "full":
         apply_recompute_method(model, *recompute_method)
     seq = s // par.cp
@@ -707,7 +712,8 @@ def trace_key(job: Job) -> tuple | None:
             if par.zero == 3 else None,
             job.micro_batch_size, job.seq_length, (job.routing, job.seed), job.attention,
             job.experts, job.recompute, job.recompute_modules if selective else (),
-            (job.recompute_method, job.recompute_num_layers) if full else None,
+            (job.recompute_method, job.recompute_num_layers,
+             job.distribute_saved_activations) if full else None,
             job.deallocate_pipeline_outputs, job.rounding, profile.name,
             tuple(sorted(profile.options.items())), job.zero3_prefetch)
 
@@ -718,7 +724,7 @@ def step_key(job: Job) -> tuple:
     workspaces below the dispatcher, ``tracemem.workspaces``)."""
     par = job.parallel
     return (par.zero, tuple(par.shards(r.quantity, r.kind) for r in SHARDING),
-            repr(par.precision_spec), job.optimizer, job.gpu)
+            repr(par.precision_spec), job.optimizer, job.gpu, job.cublas_workspace_config)
 
 
 def _finish(job: Job, model, tracer: MemoryTracer, fb: Segments) -> tuple[StaticMemory,
@@ -731,7 +737,8 @@ def _finish(job: Job, model, tracer: MemoryTracer, fb: Segments) -> tuple[Static
 
     static, segments = _trace_step(model, tracer, job.parallel, job.optimizer, fb)
     kept = workspaces(model, gpu=job.gpu, kernels=job.profile, recompute=job.recompute,
-                      micro_batch_size=job.micro_batch_size, seq_length=job.seq_length)
+                      micro_batch_size=job.micro_batch_size, seq_length=job.seq_length,
+                      cublas_workspace_config=job.cublas_workspace_config)
     return replace(static, workspaces=tuple(kept)), segments
 
 
@@ -756,6 +763,7 @@ def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
                 routing=job.routing_model, attention=job.attention, experts=job.experts,
                 recompute=job.recompute, recompute_modules=frozenset(job.recompute_modules),
                 recompute_method=(job.recompute_method, job.recompute_num_layers),
+                distribute_saved_activations=job.distribute_saved_activations,
                 deallocate=job.deallocate_pipeline_outputs, rounding=job.rounding,
                 zero3_prefetch=job.zero3_prefetch, kernels=job.profile, where=where,
                 kinds=unit.kinds, replace=job.replacements)
@@ -887,7 +895,10 @@ def estimate(job: Job | str | ModelConfig, /, *, progress: Callable[[str], None]
     if plot is not None:
         check_plot_path(plot)
     _check_counts_cover(job.config, job.routing_model)
-    traced = trace_classes(job, rank_classes(job), trace_cache or TraceCache(), progress)
+    from tracemem.torch_state import preserved_torch_state
+
+    with preserved_torch_state():  # an interrupt while tracing leaves torch as it was
+        traced = trace_classes(job, rank_classes(job), trace_cache or TraceCache(), progress)
     for one in traced:
         replay_class(job, one)
     hbm = job.hbm_bytes

@@ -68,8 +68,10 @@ pins for its CI image), Megatron-LM d98e8a6.
    (``LinearWithGradAccumulationAndAsyncCommunication``); the score buffer
    ``[b n / TP, s, s]`` of ``--attention local`` (``transformer/dot_product_attention.py``
    ``DotProductAttention.forward``). TE's linears gather into their own ``torch.empty``
-   buffers, and the alltoall dispatcher does not use it (only ``MoEAllGatherTokenDispatcher``
-   does: ``token_dispatcher.py``), so those add nothing. Its size is the largest request.
+   buffers, and the alltoall dispatcher does not use it, so those add nothing;
+   ``MoEAllGatherTokenDispatcher.token_dispatch`` (``--moe-token-dispatcher-type allgather``)
+   gathers the tokens into it over ETP x EP, ``[b s / (CP TP) x ETP x EP, h]`` (``token_
+   dispatcher.py``). Its size is the largest request.
 5. RoPE's frequencies, ``[s / CP, 1, 1, d_rope]`` fp32 (``models/common/embeddings/
    rotary_pos_embedding.py`` ``RotaryEmbedding.forward``: ``@lru_cache(maxsize=32)``, its
    return ``get_emb``'s ``cat((freqs, freqs))``, sliced per CP rank by
@@ -109,8 +111,9 @@ Not here, and why:
   the unfused RoPE); the lru-cached frequencies above are the same for both.
 
 Overlap with the trace: the output layer's SP gather is traced as a transient ``[s / CP, b, h]``
-(forward and backward) and ``--attention local``'s scores as alive through each attention; in
-Megatron both are this global buffer, so an estimate adding item 4 should not count those
+(forward and backward), the allgather dispatcher's token gather as a transient until the
+permutation, and ``--attention local``'s scores as alive through each attention; in
+Megatron all three are this global buffer, so an estimate adding item 4 should not count those
 transients on top of it.
 
 Example::
@@ -120,9 +123,9 @@ Example::
                        seq_length=4096)
     sum(w.nbytes for w in items)
 
-Known limitations: ``CUBLAS_WORKSPACE_CONFIG``, ``CUBLASLT_WORKSPACE_SIZE``,
-``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` and ``setChosenWorkspaceSize`` are taken at their
-defaults. The torch 2.13 function bodies were read from a copy of ``CublasHandlePool.cpp`` whose
+Known limitations: ``CUBLASLT_WORKSPACE_SIZE``, ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` and
+``setChosenWorkspaceSize`` are taken at their defaults (``CUBLAS_WORKSPACE_CONFIG`` is the
+job's: ``torch_cublas_workspace_bytes``). The torch 2.13 function bodies were read from a copy of ``CublasHandlePool.cpp`` whose
 API matches 2.13's installed ``ATen/cuda/CUDAContextLight.h``, not from the v2.13 tag (not
 reachable here). Recompute does not change the count: a recomputed forward runs in autograd's
 device thread, whose backward GEMMs of the same modules make that workspace anyway.
@@ -130,6 +133,7 @@ device thread, whose backward GEMMs of the same modules make that workspace anyw
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -179,14 +183,23 @@ class Workspace:
     first_use: str
 
 
-def torch_cublas_workspace_bytes(capability: tuple[int, int]) -> int:
-    """PyTorch's cuBLAS workspace per (handle, stream) on a GPU of compute ``capability``
-    with ``CUBLAS_WORKSPACE_CONFIG`` unset: torch 2.13 ``CublasHandlePool.cpp``
-    ``parseChosenWorkspaceSize`` ("32MiB for Hopper and Blackwell": major 9, 10 or 12;
-    otherwise ``:4096:2:16:8``, two 4 MiB and eight 16 KiB chunks)."""
-    if capability[0] in (9, 10, 12):
-        return 4096 * 8 * 1024
-    return 4096 * 1024 * 2 + 16 * 1024 * 8
+def torch_cublas_workspace_bytes(capability: tuple[int, int],
+                                 config: str | None = None) -> int:
+    """PyTorch's cuBLAS workspace per (handle, stream) on a GPU of compute ``capability``:
+    torch 2.13 ``CublasHandlePool.cpp`` ``parseChosenWorkspaceSize``. With
+    ``CUBLAS_WORKSPACE_CONFIG`` (``config``) set, the sum over its ``:SIZE:COUNT`` matches
+    (regex ``:([0-9]+):([0-9]+)``) of SIZE KiB x COUNT, whatever the GPU (Megatron's
+    deterministic runs set ``:4096:8``: 32 MiB, also on A100); a value with no match warns
+    and takes the default. Unset (None), the default: "32MiB for Hopper and Blackwell"
+    (major 9, 10 or 12), otherwise ``:4096:2:16:8``, two 4 MiB and eight 16 KiB chunks."""
+    default = 4096 * 8 * 1024 if capability[0] in (9, 10, 12) \
+        else 4096 * 1024 * 2 + 16 * 1024 * 8
+    if config is None:
+        return default
+    matches = re.findall(r":([0-9]+):([0-9]+)", config)
+    if not matches:
+        return default
+    return sum(int(size) * 1024 * int(count) for size, count in matches)
 
 
 def te_cublas_workspace_bytes(capability: tuple[int, int]) -> int:
@@ -200,7 +213,8 @@ def te_cublas_workspace_bytes(capability: tuple[int, int]) -> int:
 
 def workspaces(model: nn.Module, *, gpu: str | None, kernels, recompute: str = "none",
                micro_batch_size: int | None = None,
-               seq_length: int | None = None) -> list[Workspace]:
+               seq_length: int | None = None,
+               cublas_workspace_config: str | None = None) -> list[Workspace]:
     """The allocations below the dispatcher that ``model`` (one rank, as
     ``modeling.parallel.build.build_rank`` builds it) keeps on a ``gpu``
     (``tracemem.job.GPUS``; None: the GPU is not known, nothing is counted) running the
@@ -209,7 +223,8 @@ def workspaces(model: nn.Module, *, gpu: str | None, kernels, recompute: str = "
     (every GEMM there is a torch op). ``micro_batch_size`` (b) and ``seq_length`` (s, tokens per
     sequence before context parallelism) size the items that depend on the sequence (RoPE's
     cache, Megatron's global memory buffer). ``recompute`` ("none", "selective", "full") is
-    checked and changes nothing (module docstring).
+    checked and changes nothing (module docstring). ``cublas_workspace_config``: the job's
+    ``CUBLAS_WORKSPACE_CONFIG`` (``torch_cublas_workspace_bytes``), None when unset.
 
     Returns the items in a fixed order (PyTorch cuBLAS, TE cuBLAS, Megatron's global buffer,
     RoPE, dummy weight gradients), each a separate allocation.
@@ -229,7 +244,7 @@ def workspaces(model: nn.Module, *, gpu: str | None, kernels, recompute: str = "
     profile = get_profile(kernels)
     megatron = profile.orchestration == "megatron"
     modules = _Modules(model, megatron)
-    out = _torch_cublas(modules, capability)
+    out = _torch_cublas(modules, capability, cublas_workspace_config)
     if not megatron:
         return out
     out += _te_cublas(modules, capability)
@@ -256,6 +271,7 @@ class _Modules:
         self.torch_gemm_streams: set[str] = set()  # streams running a torch GEMM
         self.head: Linear | None = getattr(model, "head", None)
         self.attentions: list[tuple[str, nn.Module]] = []
+        self.allgather_moes: list[tuple[str, MoE]] = []  # MoEAllGatherTokenDispatcher, > 1 rank
         skip: set[int] = set()
         for path, mod in model.named_modules():
             if id(mod) in skip:
@@ -268,10 +284,15 @@ class _Modules:
                 continue
             if isinstance(mod, MoE):
                 self.routers += 1  # router_gating_linear: TE's general_gemm
+                if (mod.kernels.options.get("moe_token_dispatcher") == "allgather"
+                        and mod.ep * mod.etp > 1):
+                    self.allgather_moes.append((path, mod))
                 skip.update(id(m) for m in mod.experts.modules())
                 experts = _expert_weights(f"{path}.experts", mod.experts)
-                if experts:
-                    self.grouped.append(f"{path}.experts")
+                if experts:  # TE GroupedLinear (TEGroupedMLP), or one TE linear pair per
+                    # local expert (SequentialMLP: general_gemm, no grouped-GEMM streams)
+                    if isinstance(mod.experts, GroupedExperts):
+                        self.grouped.append(f"{path}.experts")
                     self.te_weights += experts
                 gate = mod.shared_expert_gate
                 if gate is not None:  # F.linear; SharedExpertMLP.stream under the overlap
@@ -314,12 +335,13 @@ def _fused(path: str, *linears: Linear) -> tuple[str, tuple[int, ...], torch.dty
 
 def _expert_weights(path: str, experts: nn.Module) -> list:
     """The per-expert weights of Megatron's ``TEGroupedMLP`` (``linear_fc1`` ``weight{i}``
-    ``[2 f, h]`` gated, ``linear_fc2`` ``[h, f]``) for tracemem's grouped or sequential
-    experts."""
+    ``[2 f, h]`` gated, ``[f, h]`` not, ``linear_fc2`` ``[h, f]``) for tracemem's grouped or
+    sequential experts."""
     if isinstance(experts, GroupedExperts):
         if experts.w1.shape[0] == 0:
             return []
-        fc1 = (experts.w1.shape[1] + experts.w3.shape[1], experts.w1.shape[2])
+        fc1 = (experts.w1.shape[1] + (experts.w3.shape[1] if experts.gated else 0),
+               experts.w1.shape[2])
         fc2 = tuple(experts.w2.shape[1:])
         dtype = experts.w1.dtype
     else:
@@ -331,14 +353,15 @@ def _expert_weights(path: str, experts: nn.Module) -> list:
                first.w1.weight.shape[1])
         fc2 = tuple(first.w2.weight.shape)
         dtype = first.w1.weight.dtype
-    return [(f"{path}.linear_fc1", fc1, dtype, "TE GroupedLinear"),
-            (f"{path}.linear_fc2", fc2, dtype, "TE GroupedLinear")]
+    which = "TE GroupedLinear" if isinstance(experts, GroupedExperts) else "TE linear"
+    return [(f"{path}.linear_fc1", fc1, dtype, which), (f"{path}.linear_fc2", fc2, dtype, which)]
 
 
-def _torch_cublas(modules: _Modules, capability) -> list[Workspace]:
+def _torch_cublas(modules: _Modules, capability, config: str | None = None
+                  ) -> list[Workspace]:
     """One per (thread, stream) running a torch GEMM: the main thread's in forward, autograd's
     device thread's in backward, on each stream that runs one."""
-    nbytes = torch_cublas_workspace_bytes(capability)
+    nbytes = torch_cublas_workspace_bytes(capability, config)
     source = (f"{_TORCH} getCurrentCUDABlasHandle, setWorkspaceForHandle, getNewWorkspace, "
               f"parseChosenWorkspaceSize")
     out = []
@@ -376,7 +399,7 @@ def _global_buffer(modules: _Modules, model, b, s) -> list[Workspace | None]:
     sizes, head = model.sizes, modules.head
     gathers = head is not None and sizes.sp > 1  # the output layer's SP gather
     local = [(path, attn) for path, attn in modules.attentions if attn.attention == "local"]
-    if not gathers and not local:
+    if not gathers and not local and not modules.allgather_moes:
         return []
     if b is None or s is None:
         return [None]
@@ -385,6 +408,11 @@ def _global_buffer(modules: _Modules, model, b, s) -> list[Workspace | None]:
     if gathers:  # [s / CP, b, h] in the activations' dtype
         requests.append((b * (s // sizes.cp) * head.weight.shape[1], head.weight.dtype,
                          "output layer's sequence-parallel gather"))
+    for path, moe in modules.allgather_moes:  # the dispatcher's token gather over ETP x EP:
+        # [b s / (CP TP) x ETP x EP, h] in the activations' dtype
+        h = moe.cfg.hidden_size
+        requests.append((b * (s // (sizes.cp * sizes.sp)) * moe.ep * moe.etp * h,
+                         moe.gate.weight.dtype, f"{path} allgather dispatcher's token gather"))
     for path, attn in local:  # [b * n / TP, s, s] in the query's dtype (no CP with local)
         requests.append((b * attn.num_heads * s * s, attn.wo.weight.dtype,
                          f"{path} scores"))
@@ -397,7 +425,8 @@ def _global_buffer(modules: _Modules, model, b, s) -> list[Workspace | None]:
         numel * dtype.itemsize,
         f"{_MCORE}/utils.py GlobalMemoryBuffer.get_tensor; tensor_parallel/layers.py "
         f"LinearWithGradAccumulationAndAsyncCommunication.forward (sequence-parallel gather); "
-        f"transformer/dot_product_attention.py DotProductAttention.forward (local scores)",
+        f"transformer/dot_product_attention.py DotProductAttention.forward (local scores); "
+        f"transformer/moe/token_dispatcher.py MoEAllGatherTokenDispatcher.token_dispatch",
         "forward") for dtype, (numel, what) in largest.items()]
 
 

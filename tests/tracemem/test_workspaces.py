@@ -145,12 +145,30 @@ def test_deepseek_last_stage_moe_mla_mtp():
     }
 
 
-def test_sequential_experts_are_the_same_grouped_linear():
+def test_sequential_experts_run_general_gemm_not_the_grouped_gemm_streams():
+    # Megatron's SequentialMLP (no --moe-grouped-gemm) runs one TE linear pair per local
+    # expert (general_gemm, TE's one workspace); only TEGroupedMLP's general_grouped_gemm
+    # takes the per-stream workspaces (TE cpp_extensions/gemm.py get_cublas_workspace)
     grouped = workspaces(rank(DEEPSEEK, 3), gpu="H100", kernels=MTE, micro_batch_size=B,
                          seq_length=S)
     sequential = workspaces(rank(DEEPSEEK, 3, experts="sequential"), gpu="H100",
                             kernels=MTE, micro_batch_size=B, seq_length=S)
-    assert [w.nbytes for w in grouped] == [w.nbytes for w in sequential]
+    streams = [w for w in grouped if "general_grouped_gemm" in w.name]
+    assert len(streams) == 4 and not [w for w in sequential if "grouped" in w.name]
+    assert [w.nbytes for w in grouped if w not in streams] == [w.nbytes for w in sequential]
+
+
+def test_cublas_workspace_config_sizes_pytorchs_workspace_whatever_the_gpu():
+    # torch 2.13 CublasHandlePool.cpp parseChosenWorkspaceSize: the sum of SIZE KiB x COUNT
+    # over ":SIZE:COUNT" matches; no match: the default
+    assert torch_cublas_workspace_bytes((8, 0)) == 4096 * 1024 * 2 + 16 * 1024 * 8
+    assert torch_cublas_workspace_bytes((8, 0), ":4096:8") == 32 * 2**20
+    assert torch_cublas_workspace_bytes((9, 0), ":16:8") == 16 * 1024 * 8
+    assert torch_cublas_workspace_bytes((8, 0), ":4096:2:16:8") == 8_519_680
+    assert torch_cublas_workspace_bytes((9, 0), "junk") == 32 * 2**20
+    items = workspaces(rank(LLAMA, 3), gpu="A100", kernels=MTE, micro_batch_size=B,
+                       seq_length=S, cublas_workspace_config=":4096:8")
+    assert sizes(items, "PyTorch cuBLAS") == [32 * 2**20] * 2  # main and autograd threads
 
 
 def test_rope_cache_one_per_model_chunk_and_per_cp_rank():

@@ -20,9 +20,10 @@ megatron/training/vocab_utils.py ``calculate_padded_vocab_size`` for the model b
 
 Decisions, each also written in its table entry: fp16 and fp32 training, ``--transformer-impl
 local``, the allgather (Megatron's default) and flex MoE dispatchers, MoE experts without
-``--moe-grouped-gemm`` or ``--moe-permute-fusion``, and context parallelism other than
-``--cp-comm-type allgather`` are refused (tracemem models bf16, Transformer Engine, the
-alltoall dispatcher with TE's fused permute and GroupedLinear, and all-gather CP);
+``--moe-grouped-gemm`` or ``--moe-permute-fusion``, and context parallelism with
+``--cp-comm-type`` a2a or a2a+p2p are refused (tracemem models bf16, Transformer Engine, the
+alltoall dispatcher with TE's fused permute and GroupedLinear, and CP as TE's ring attention,
+``p2p``, Megatron's default, or all-gathered K and V, ``allgather``);
 ``--overlap-grad-reduce`` and its bucket flags, the default attention mask of the dataloader,
 the aux loss and the default fused RoPE are honoured with the approximation stated
 (``megatron_approximations`` lists those that apply to a job).
@@ -59,10 +60,9 @@ _AT = f"Megatron-LM {PIN[:7]}"
 # RECOMPUTE_MODULES); the rest of Megatron's (TransformerConfig.__post_init__'s
 # allowed_modules) are refused by name
 RECOMPUTE_MODULE_NAMES = {"core_attn": "core_attn", "mla_up_proj": "mla_up_proj",
-                          "layernorm": "layernorm", "mlp": "mlp", "moe": "moe"}
+                          "layernorm": "layernorm", "mlp": "mlp", "moe": "moe",
+                          "moe_act": "moe_act", "shared_experts": "shared_experts"}
 _RECOMPUTE_MISSING = {
-    "moe_act": "recompute of the MoE experts' activation",
-    "shared_experts": "recompute of the shared experts",
     "gdn_norm_out": "gated delta net layers",
     "gdp_in_proj": "gated delta product layers",
     "gdp_qkv": "gated delta product layers",
@@ -117,7 +117,6 @@ def _aux_loss(ns) -> bool:
 # when each "approximation:" of HONOURED / ENV_HONOURED applies to a job
 APPROXIMATIONS_WHEN: dict[str, Callable[[argparse.Namespace], bool]] = {
     "--deterministic-mode": lambda ns: ns.deterministic_mode,
-    "--moe-router-dtype": lambda ns: bool(ns.num_experts) and ns.moe_router_dtype is None,
     "--moe-router-force-load-balancing": lambda ns: ns.moe_router_force_load_balancing,
     "--empty-unused-memory-level": lambda ns: ns.empty_unused_memory_level >= 1,
     "--no-rope-fusion": lambda ns: _uses_rope(ns) and ns.apply_rope_fusion,
@@ -326,28 +325,31 @@ def _moe_fields(ns, experts, ffn, num_layers, mtp, bias, tp, sp) -> dict[str, An
               "--sequence-parallel")
     _missing(not bias, "biases on the MoE experts and router (Megatron's default "
                        "add_bias_linear); add --disable-bias-linear")
-    _missing(ns.swiglu, "MoE experts without --swiglu (tracemem's experts run "
-                                  "Megatron's weighted SwiGLU)")
     dispatcher = ns.moe_token_dispatcher_type
-    _missing(dispatcher == "alltoall",
-             f"--moe-token-dispatcher-type {dispatcher}"
-             + (" (Megatron's default: every token gathered over TP x EP)"
-                if dispatcher == "allgather" else " (DeepEP / HybridEP and their buffers)")
-             + "; tracemem models --moe-token-dispatcher-type alltoall")
-    _missing(ns.moe_grouped_gemm, "SequentialMLP experts (one TE linear pair per local "
-                                  "expert); tracemem's are TE's GroupedLinear: add "
-                                  "--moe-grouped-gemm")
-    _missing(ns.moe_permute_fusion, "the unfused token permutation (moe_utils.permute without "
-                                    "TE); add --moe-permute-fusion")
+    _missing(dispatcher in ("alltoall", "allgather"),
+             f"--moe-token-dispatcher-type {dispatcher} (DeepEP / HybridEP and their buffers); "
+             f"tracemem models alltoall and allgather")
+    where_cfg = "megatron/core/transformer/transformer_config.py TransformerConfig.__post_init__"
+    _megatron(not (ns.moe_shared_expert_overlap and dispatcher not in ("alltoall", "flex")),
+              "moe_shared_expert_overlap only works with alltoall or flex token dispatcher.",
+              where_cfg)
     _missing(ns.moe_router_dtype != "fp64", "--moe-router-dtype fp64 (fp64 routing tensors)")
     score = ns.moe_router_score_function
     _missing(score in ("softmax", "sigmoid"), f"--moe-router-score-function {score}")
     balancing = ns.moe_router_load_balancing_type
     balancing = [balancing] if isinstance(balancing, str) else list(balancing)
-    bad = [b for b in balancing if b not in (*_AUX_LOSSES, "none")]
+    sinkhorn = balancing == ["sinkhorn"]
+    bad = [b for b in balancing if b not in (*_AUX_LOSSES, "none")] if not sinkhorn else []
     _missing(not bad, f"--moe-router-load-balancing-type {' '.join(bad)} (its own routing "
                       f"computation)")
     topk = ns.moe_router_topk
+    if sinkhorn:
+        coeffs = ns.moe_aux_loss_coeff
+        _megatron(not any(c for c in (coeffs if isinstance(coeffs, list) else [coeffs])),
+                  "Sinkhorn routing does not support aux loss.",
+                  "megatron/core/transformer/moe/router.py TopKRouter.sinkhorn_load_balancing")
+    elif topk == 1 and score == "softmax" and not ns.moe_router_pre_softmax:
+        _megatron(False, "Please use --moe-router-pre-softmax when topk is 1.", where_cfg)
     grouped = bool(ns.moe_router_num_groups and ns.moe_router_group_topk)  # moe_utils.py
     bias_corrected = ns.moe_router_enable_expert_bias
     shared = ns.moe_shared_expert_intermediate_size or 0
@@ -363,7 +365,7 @@ def _moe_fields(ns, experts, ffn, num_layers, mtp, bias, tp, sp) -> dict[str, An
         router_gather=bias_corrected,
         num_expert_groups=ns.moe_router_num_groups if grouped else 1,
         topk_group=ns.moe_router_group_topk if grouped else 1,
-        topk_method=("noaux_tc" if bias_corrected else
+        topk_method=("sinkhorn" if sinkhorn else "noaux_tc" if bias_corrected else
                      "group_limited_greedy" if grouped else "greedy"),
         routed_scaling_factor=ns.moe_router_topk_scaling_factor,
         **moe_layer_fields(ns.moe_layer_freq, num_layers, mtp))
@@ -451,7 +453,15 @@ def _recompute(ns, mla: bool) -> dict[str, Any]:
         if "moe" not in modules:
             modules.append("moe")
     out = {"recompute": "none", "recompute_modules": ("core_attn",),
-           "recompute_method": "uniform", "recompute_num_layers": 1}
+           "recompute_method": "uniform", "recompute_num_layers": 1,
+           "distribute_saved_activations": bool(ns.distribute_saved_activations)}
+    if ns.distribute_saved_activations:  # validate_args
+        _megatron(ns.tensor_model_parallel_size > 1, "can distribute recomputed activations "
+                  "only across tensor model parallel groups", vs)
+        _megatron(granularity == "full", "distributed recompute activations is only "
+                  "application to full recompute granularity", vs)
+        _megatron(ns.recompute_method is not None, "for distributed recompute activations to "
+                  "work you need to use a recompute method", vs)
     if granularity == "selective":
         _megatron(ns.recompute_method is None, "recompute method is not yet supported for "
                                                "selective recomputing granularity", vs)
@@ -465,6 +475,12 @@ def _recompute(ns, mla: bool) -> dict[str, Any]:
         _megatron(mla or "mla_up_proj" not in modules,
                   "mla_up_proj in recompute_modules is only supported with "
                   "multi_latent_attention.", tc)
+        _megatron("moe_act" not in modules or bool(ns.moe_grouped_gemm),
+                  "moe_act in recompute_modules is only supported with moe_grouped_gemm.", tc)
+        _megatron("shared_experts" not in modules
+                  or not (ns.moe_shared_expert_intermediate_size is not None
+                          and ns.moe_shared_expert_overlap),
+                  "shared_experts recompute cannot work with --moe-shared-expert-overlap.", tc)
         missing = [m for m in modules if m in _RECOMPUTE_MISSING]
         _missing(not missing, "; ".join(f"--recompute-modules {m} ({_RECOMPUTE_MISSING[m]})"
                                         for m in missing))
@@ -594,10 +610,7 @@ def megatron_job_kwargs(argv, *, env: Mapping[str, str] | None = None,
         _megatron(ns.seq_length % (2 * cp) == 0, "seq-length should be a multiple of 2 * "
                                                  "context-parallel-size if "
                                                  "context-parallel-size > 1.", vs)
-        comm = list(ns.cp_comm_type)
-        _missing(comm == ["allgather"], f"context parallelism with --cp-comm-type "
-                                        f"{' '.join(comm)} (Megatron's default p2p is TE's "
-                                        f"ring attention); tracemem models allgather")
+    cp_comm_type = _cp_comm_type(ns, cp)
     if ns.overlap_param_gather:
         _megatron(ns.use_distributed_optimizer or ns.use_megatron_fsdp,
                   "--overlap-param-gather only supported with distributed optimizer, megatron "
@@ -653,6 +666,19 @@ def megatron_job_kwargs(argv, *, env: Mapping[str, str] | None = None,
                       # TE's UnfusedDotProductAttention reads it (softmax.py): int, default 1
                       "masked_softmax_fusion": str(env.get("NVTE_MASKED_SOFTMAX_FUSION",
                                                            "1")).strip() != "0"}
+    if ns.num_experts:  # the MoE layer's kernels (token dispatch, router dtype)
+        kernel_options.update(
+            moe_permute_fusion=bool(ns.moe_permute_fusion),
+            moe_token_dispatcher=("allgather" if ns.moe_token_dispatcher_type == "allgather"
+                                  else "alltoall"),
+            moe_router_dtype="fp32" if ns.moe_router_dtype == "fp32" else "input")
+    if cp_comm_type == "p2p":  # allgather is the profile's default: left unset
+        kernel_options["cp_comm_type"] = "p2p"
+    if backend == "flash":  # TE's FlashAttention backend (unfused is the attention kind
+        # below). fused is the profile's default, and so is auto: TE's choice resolves to fused
+        # on every GPU kind while flash-attn's presence in the container is not known
+        # (modeling.kernels.attention te_auto_attention_backend): both left unset
+        kernel_options["attention_backend"] = "flash"
     return {
         "model": model, "world_size": world, "micro_batch_size": b,
         "seq_length": ns.seq_length, "num_microbatches": 1 if g is None else None,
@@ -674,14 +700,54 @@ def megatron_job_kwargs(argv, *, env: Mapping[str, str] | None = None,
         "schedule": layout["schedule"],
         **_recompute(ns, ns.multi_latent_attention),
         "attention": "unfused" if backend == "unfused" else "flash",
-        "experts": "grouped" if experts else "auto",
+        # TEGroupedMLP with --moe-grouped-gemm, else SequentialMLP (get_gpt_layer_with_
+        # transformer_engine_spec / get_moe_module_spec_for_backend)
+        "experts": ("grouped" if ns.moe_grouped_gemm else "sequential") if experts else "auto",
         "kernels": "megatron-te", "kernel_options": kernel_options,
         "routing": "balanced", "optimizer": "fused",
         "deallocate_pipeline_outputs": True,  # core_transformer_config_from_args sets it
         "alloc_conf": env.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "cublas_workspace_config": env.get("CUBLAS_WORKSPACE_CONFIG"),
         "make_vocab_size_divisible_by": divisible_by,
         "origin": "megatron", "megatron_args": tuple(argv),
     }
+
+
+def _cp_comm_type(ns, cp: int) -> str | None:
+    """The context-parallel attention of the job (megatron-te option ``cp_comm_type``): None
+    at CP 1, else ``--cp-comm-type``'s one value (its default ``p2p``: TE's ring attention,
+    ``modeling.kernels.context_parallel``; ``allgather``: K and V all-gathered). Megatron
+    takes one value for all layers or one per layer (``argument_utils.py``
+    ``core_transformer_config_from_args`` passes a single value on as a string,
+    ``TransformerConfig.__post_init__`` checks a list's length); tracemem models one for all.
+    Megatron hands the string to TE unchanged (``TEDotProductAttention.__init__``), whose
+    ``attn_forward_func_with_cp`` (TE d0067d0) takes ``all_gather`` and raises ValueError
+    ("Unsupported communication type") on Megatron's documented ``allgather``: both spellings
+    are the allgather option here, and ``to_megatron_args`` writes ``all_gather``.
+
+    Raises:
+        TracememError: a list whose length is not --num-layers (Megatron's refusal), types
+            that differ by layer, a2a or a2a+p2p (not modelled)."""
+    if cp == 1:
+        return None
+    comm = list(ns.cp_comm_type)
+    if len(comm) > 1:
+        _megatron(len(comm) == ns.num_layers,
+                  f"Length of cp_comm_type ({len(comm)}) should equal to the total number of "
+                  f"transformer layers ({ns.num_layers})!",
+                  "megatron/core/transformer/transformer_config.py "
+                  "TransformerConfig.__post_init__")
+        _missing(len(set(comm)) == 1, f"--cp-comm-type {' '.join(comm)} (a communication "
+                                      f"type per layer); give one for all layers")
+    if comm[0] == "all_gather":  # TE's spelling (attn_forward_func_with_cp), which TE takes
+        return "allgather"
+    _missing(comm[0] in ("p2p", "allgather"),
+             f"context parallelism with --cp-comm-type {comm[0]} (TE's "
+             f"{'AttnFuncWithCPAndQKVOA2A' if comm[0] == 'a2a' else 'hierarchical a2a+p2p'}"
+             f"); tracemem models p2p (TE's ring attention) and allgather"
+             if comm[0] in ("a2a", "a2a+p2p") else
+             f"--cp-comm-type {comm[0]} (TE takes p2p, all_gather, a2a, a2a+p2p)")
+    return comm[0]
 
 
 def megatron_job(argv, *, env=None, world_size=None, vocab_size=None, **fields):
@@ -730,8 +796,7 @@ _GROUP_FLAGS: dict[str, tuple[str, ...]] = {
         "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-router-num-groups",
         "--moe-router-group-topk", "--moe-router-pre-softmax",
         "--moe-router-topk-scaling-factor", "--moe-router-score-function",
-        "--moe-router-dtype", "--moe-router-enable-expert-bias", "--moe-grouped-gemm",
-        "--moe-token-dispatcher-type", "--moe-permute-fusion", "--group-query-attention",
+        "--moe-router-enable-expert-bias", "--moe-grouped-gemm", "--group-query-attention",
         "--max-position-embeddings", "--position-embedding-type",
         "--use-rotary-position-embeddings", "--rotary-base", "--rotary-percent",
         "--no-position-embedding", "--squared-relu", "--swiglu",
@@ -742,14 +807,16 @@ _GROUP_FLAGS: dict[str, tuple[str, ...]] = {
               "--tokenizer-type"),
     "attention": ("--attention-backend",),
     "kernels": ("--transformer-impl", "--cross-entropy-loss-fusion",
-                "--cross-entropy-fusion-impl", "--moe-shared-expert-overlap"),
+                "--cross-entropy-fusion-impl", "--moe-shared-expert-overlap",
+                "--moe-router-dtype", "--moe-token-dispatcher-type", "--moe-permute-fusion"),
     "layout": ("--account-for-embedding-in-pipeline-split",
                "--account-for-loss-in-pipeline-split", "--decoder-first-pipeline-num-layers",
                "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout",
                "--num-layers-per-virtual-pipeline-stage",
                "--num-virtual-stages-per-pipeline-rank"),
     "recompute": ("--recompute-granularity", "--recompute-method", "--recompute-num-layers",
-                  "--recompute-modules", "--recompute-activations", "--moe-layer-recompute"),
+                  "--recompute-modules", "--recompute-activations", "--moe-layer-recompute",
+                  "--distribute-saved-activations"),
     "micro_batch_size": ("--micro-batch-size",),
     "global_batch_size": ("--global-batch-size", "--decrease-batch-size-if-needed"),
     "seq_length": ("--seq-length", "--encoder-seq-length"),
@@ -797,8 +864,9 @@ def _fields_of(job) -> dict[str, Any]:
     return out
 
 
-def _model_args(cfg, divisible_by) -> tuple[list[str], list[str]]:
-    """(the model group, the vocab group) of ``cfg``."""
+def _model_args(cfg, divisible_by, experts: str = "grouped") -> tuple[list[str], list[str]]:
+    """(the model group, the vocab group) of ``cfg`` (``experts`` the job's expert kernel:
+    "sequential" is Megatron without ``--moe-grouped-gemm``)."""
     def no(what):
         raise TracememError(f"{cfg.name}: {what} has no Megatron-LM argument")
 
@@ -850,11 +918,13 @@ def _model_args(cfg, divisible_by) -> tuple[list[str], list[str]]:
                "always does)")
         if cfg.routed_scaling_factor is not None:
             a += ["--moe-router-topk-scaling-factor", _num(cfg.routed_scaling_factor)]
-        a += ["--moe-router-score-function", cfg.scoring_func, "--moe-router-dtype", "fp32"]
+        a += ["--moe-router-score-function", cfg.scoring_func]
+        if cfg.topk_method == "sinkhorn":
+            a += ["--moe-router-load-balancing-type", "sinkhorn"]
         if cfg.has_correction_bias:
             a += ["--moe-router-enable-expert-bias"]
-        a += ["--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
-              "--moe-permute-fusion"]
+        if experts != "sequential":
+            a += ["--moe-grouped-gemm"]
     a += ["--max-position-embeddings", str(cfg.max_position_embeddings),
           "--position-embedding-type", cfg.position_embedding]
     if cfg.rope_theta != 10000.0:
@@ -920,12 +990,25 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
             _no(f"etp {f['etp']} on a dense model")
         return []
 
-    def attention():
+    def cp_comm_type():  # the megatron-te option, written as the job has it; allgather in
+        # TE's spelling all_gather: Megatron passes the string to TE unchanged, and TE's
+        # attn_forward_func_with_cp raises on "allgather" (_cp_comm_type)
+        options = {key: spec[1] for key, spec in MEGATRON_TE_OPTIONS.items()}
+        options.update(f.get("_profile_options") or {})
+        options.update(f.get("kernel_options") or {})
+        return "all_gather" if options["cp_comm_type"] == "allgather" else "p2p"
+
+    def attention():  # the megatron-te option attention_backend, as the job has it (auto,
+        # Megatron's default, not written); unfused is the attention kind
         if f["attention"] == "unfused":
             return ["--attention-backend", "unfused"]
         if f["attention"] != "flash":
             _no(f"attention {f['attention']!r}")
-        return []
+        options = {key: spec[1] for key, spec in MEGATRON_TE_OPTIONS.items()}
+        options.update(f.get("_profile_options") or {})
+        options.update(f.get("kernel_options") or {})
+        backend = options["attention_backend"]
+        return [] if backend == "auto" else ["--attention-backend", backend]
 
     def kernels():
         if f["kernels"] != "megatron-te":
@@ -942,6 +1025,12 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
                 f"--cross-entropy-fusion-impl te: validate_args)")
         if options.get("moe_shared_expert_overlap") and moe and cfg.shared_experts_width:
             out += ["--moe-shared-expert-overlap"]
+        if moe:
+            if options["moe_router_dtype"] == "fp32":
+                out += ["--moe-router-dtype", "fp32"]
+            out += ["--moe-token-dispatcher-type", options["moe_token_dispatcher"]]
+            if options["moe_permute_fusion"]:
+                out += ["--moe-permute-fusion"]
         return out
 
     def layout():
@@ -972,7 +1061,9 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
         if f["recompute"] == "full":
             return ["--recompute-granularity", "full", "--recompute-method",
                     f["recompute_method"], "--recompute-num-layers",
-                    str(f["recompute_num_layers"])]
+                    str(f["recompute_num_layers"])] + (
+                        ["--distribute-saved-activations"]
+                        if f.get("distribute_saved_activations") else [])
         return []
 
     def global_batch():
@@ -1014,14 +1105,15 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
                 out += ["--" + key.replace("_", "-"), getattr(spec, key)]
         return out
 
-    model = (lambda: _model_args(cfg, f["make_vocab_size_divisible_by"])) if cfg is not None \
+    model = (lambda: _model_args(cfg, f["make_vocab_size_divisible_by"], f["experts"])) \
+        if cfg is not None \
         else (lambda: ([], []))
     makers = {
         "tp": lambda: ["--tensor-model-parallel-size", str(f["tp"])],
         "pp": lambda: ["--pipeline-model-parallel-size", str(f["pp"])],
         "sp": lambda: ["--sequence-parallel"] if f["sp"] else [],
         "cp": lambda: ["--context-parallel-size", str(f["cp"])] + (
-            ["--cp-comm-type", "allgather"] if f["cp"] > 1 else []),
+            ["--cp-comm-type", cp_comm_type()] if f["cp"] > 1 else []),
         "ep": lambda: ["--expert-model-parallel-size", str(f["ep"])],
         "etp": etp,
         "model": lambda: model()[0],

@@ -63,8 +63,8 @@ HONOURED: dict[str, str] = {
                                     "--make-vocab-size-divisible-by x TP",
     "--pipeline-model-parallel-size": "pp",
     "--sequence-parallel": "sp (Megatron turns it off when TP is 1: validate_args)",
-    "--context-parallel-size": "cp (with --cp-comm-type allgather, the variant tracemem "
-                               "models)",
+    "--context-parallel-size": "cp; CP attention per --cp-comm-type (default p2p: TE's "
+                               "ring attention)",
     "--expert-model-parallel-size": "ep",
     "--expert-tensor-parallel-size": "etp (Megatron's default: TP; 1 for a dense model)",
     "--bf16": "model dtype bfloat16 and precision 'megatron' (bf16 parameters, fp32 main "
@@ -83,10 +83,14 @@ HONOURED: dict[str, str] = {
     "--account-for-loss-in-pipeline-split": "account_for_loss_in_pipeline_split",
     "--hidden-size": "model hidden_size",
     "--num-attention-heads": "model num_attention_heads",
-    "--attention-backend": "attention: auto / flash / fused -> 'flash' (TE's fused "
-                           "attention: output and softmax statistics), unfused -> 'unfused' "
-                           "(the [b, heads, s, s] scores, softmax and dropout kept); local "
-                           "needs --spec local (refused)",
+    "--attention-backend": "attention 'flash' (TE's DotProductAttention) and kernel_options "
+                           "attention_backend: fused (cuDNN: output and softmax statistics), "
+                           "flash (TE's FlashAttention over flash-attn 2: bshd copies of q, "
+                           "k, v, a separate output copy, mha_bwd's fp32 scratch), auto (TE's "
+                           "choice, resolved from the job's --gpu: fused on sm90+, and fused "
+                           "on sm80 or no --gpu, flash-attn's presence not being known); "
+                           "unfused -> attention 'unfused' (the [b, heads, s, s] scores, "
+                           "softmax and dropout kept); local needs --spec local (refused)",
     "--num-query-groups": "model num_key_value_heads (with --group-query-attention)",
     "--ffn-hidden-size": "model intermediate_size (default 4h; with --swiglu "
                          "int(8h / 3 / 64) * 64: validate_args)",
@@ -104,8 +108,9 @@ HONOURED: dict[str, str] = {
     "--recompute-granularity": "recompute 'full' / 'selective' (absent: 'none')",
     "--recompute-method": "recompute_method",
     "--recompute-num-layers": "recompute_num_layers",
-    "--recompute-modules": "recompute_modules (core_attn, mla_up_proj, layernorm, mlp, moe; "
-                           "others refused by name)",
+    "--recompute-modules": "recompute_modules (core_attn, mla_up_proj, layernorm, mlp, moe, "
+                           "moe_act, shared_experts; gdn_norm_out, gdp_in_proj, gdp_qkv, mhc "
+                           "refused by name)",
     "--moe-shared-expert-intermediate-size": "model num_shared_experts 1 and "
                                              "shared_expert_intermediate_size (the total "
                                              "width)",
@@ -120,22 +125,27 @@ HONOURED: dict[str, str] = {
                                         "multiply)",
     "--moe-router-score-function": "model scoring_func softmax / sigmoid (sigmoid: "
                                    "norm_topk_prob when top-k > 1); sqrtsoftplus refused",
-    "--moe-router-dtype": "fp32: tracemem's router GEMM (fp32 logits; fp64 refused); absent: "
-                          "approximation: Megatron's logits are then bf16, (tokens, experts) x "
-                          "2 B less than traced",
+    "--moe-router-dtype": "kernel option moe_router_dtype: fp32 (fp32 router logits and "
+                          "probabilities), absent: 'input' (in the activations' dtype); fp64 "
+                          "refused",
     "--moe-router-enable-expert-bias": "model topk_method 'noaux_tc' (the (E,) fp32 "
                                        "correction bias) and router_gather",
     "--moe-router-force-load-balancing": "routing 'balanced' (tracemem's default routing "
                                          "model); approximation: the random (tokens, "
                                          "experts) logits it draws are not traced",
-    "--moe-grouped-gemm": "experts 'grouped' (TE GroupedLinear); a MoE model without it "
-                          "(SequentialMLP) is refused",
-    "--moe-token-dispatcher-type": "alltoall (the dispatcher tracemem models); allgather "
-                                   "(Megatron's default) and flex refused for a MoE model",
+    "--moe-grouped-gemm": "experts 'grouped' (TE GroupedLinear); without it 'sequential' "
+                          "(Megatron's SequentialMLP: one TE linear pair per local expert)",
+    "--moe-token-dispatcher-type": "kernel option moe_token_dispatcher: alltoall or "
+                                   "allgather (Megatron's default: tokens gathered over ETP x "
+                                   "EP); flex refused for a MoE model",
+    "--distribute-saved-activations": "distribute_saved_activations (full recompute: each "
+                                      "checkpoint keeps 1 / TP of its input, gathered back in "
+                                      "backward; modeling.common.checkpoint)",
     "--moe-layer-recompute": "recompute 'selective' with recompute_modules + 'moe' "
                              "(TransformerConfig.__post_init__; refused with full)",
-    "--moe-permute-fusion": "TE's fused permute / unpermute (modeling/kernels/moe.py); a MoE "
-                            "model without it is refused",
+    "--moe-permute-fusion": "kernel option moe_permute_fusion: TE's fused permute / unpermute "
+                            "(modeling/kernels/moe.py); without it moe_utils.permute / "
+                            "unpermute as torch ops",
     "--transformer-impl": "kernels 'megatron-te' (transformer_engine); local and "
                           "inference_optimized refused",
     # _add_network_size_args: network size
@@ -207,8 +217,9 @@ HONOURED: dict[str, str] = {
                                  "(--non-pytorch-memory)",
     "--data-parallel-sharding-strategy": "zero 2 (optim_grads) / 3 (optim_grads_params) "
                                          "with --use-megatron-fsdp; optim, no_shard refused",
-    "--cp-comm-type": "allgather: tracemem's CP (K, V all-gathered); with CP > 1 p2p "
-                      "(Megatron's default), a2a, a2a+p2p refused",
+    "--cp-comm-type": "kernel_options cp_comm_type with CP > 1: p2p (Megatron's default: "
+                      "TE's ring attention, AttnFuncWithCPAndKVP2P) or allgather / all_gather "
+                      "(K, V all-gathered); one type for all layers; a2a, a2a+p2p refused",
     # _add_data_args
     "--seq-length": "seq_length",
     "--encoder-seq-length": "seq_length when --seq-length is not given (validate_args)",
@@ -237,8 +248,9 @@ HONOURED: dict[str, str] = {
     "--moe-layer-freq": "model first_k_dense_replace, moe_layer_freq, mlp_only_layers (an "
                         "int N: layer % N == 0; a list such as ([0]*3+[1]*58)); MTP layers "
                         "follow the last layer (get_gpt_mtp_block_spec)",
-    "--moe-router-load-balancing-type": "aux_loss / seq_aux_loss / global_aux_loss / none "
-                                        "(sinkhorn, quantile_balancing refused); "
+    "--moe-router-load-balancing-type": "aux_loss / seq_aux_loss / global_aux_loss / none, "
+                                        "sinkhorn (model topk_method 'sinkhorn'; "
+                                        "quantile_balancing refused); "
                                         "approximation: with a coefficient > 0 the loss's "
                                         "(tokens, experts) fp32 scores per MoE layer are not "
                                         "traced",
@@ -971,7 +983,6 @@ REFUSED: dict[str, str] = {
                                          "experts",
     "--fused-residual-rmsnorm": _NMY + "the fused residual + RMSNorm backward",
     "--use-transformer-engine-op-fuser": _NMY + "TE's operation fuser",
-    "--distribute-saved-activations": _NMY + "recomputed layer inputs split over TP",
     "--fp8-format": _NMY + "FP8 training (FP8 weights, casts and scaling state)",
     "--use-kitchen-attention": _NMY + "the kitchen extension's attention",
     "--fp4-format": _NMY + "FP4 training",
@@ -1139,8 +1150,9 @@ ENV_HONOURED: dict[str, str] = {
                                        "after their collective is not modelled either way",
     "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "approximation: TE's kernel choice; the same saved "
                                         "tensors, workspaces not traced",
-    "CUBLAS_WORKSPACE_CONFIG": "approximation: cuBLAS workspaces (e.g. :4096:8, 8 x 4 MiB "
-                               "per stream) are not traced",
+    "CUBLAS_WORKSPACE_CONFIG": "cublas_workspace_config: the size of PyTorch's cuBLAS "
+                               "workspaces (:4096:8 = 32 MiB per handle and stream; "
+                               "tracemem.workspaces, counted with a GPU kind)",
     "NVTE_NORM_FWD_USE_CUDNN": "approximation: cuDNN norm kernels save the same mean and "
                                "rsigma; workspaces not traced",
     "NVTE_NORM_BWD_USE_CUDNN": "approximation: cuDNN norm kernels save the same mean and "

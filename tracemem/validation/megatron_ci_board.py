@@ -17,7 +17,9 @@ started, so it covers iteration 1 (whose optimizer step makes Adam's moments) an
 A second check on the same case: what is alive after the step (``mem-allocated-bytes``,
 ``allocated_bytes.all.current`` at the same iteration) against tracemem's static memory
 (parameters, gradient buffers, optimizer states, buffers) and workspaces, the memory that
-outlives a step.
+outlives a step. A third: iteration 1's ``mem-max-allocated-bytes`` against the same step with
+the optimizer state that TE's ``FusedAdam`` makes lazily (the moments; the master weights too
+under the precision-aware optimizer) absent until its first step (``first_step_peak``).
 
 Beside it, Megatron-LM's own closed form on the same arguments
 (``tracemem.formulas.megatron.theoretical_memory_usage``, d98e8a6, term by term): what its
@@ -38,7 +40,8 @@ from dataclasses import dataclass
 
 from tracemem.errors import TracememError
 
-__all__ = ["BoardRow", "score_case", "score_cases", "summary", "format_board"]
+__all__ = ["BoardRow", "score_case", "score_cases", "summary", "format_board",
+           "first_step_peak", "lazy_optimizer_bytes"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,10 @@ class BoardRow:
     # iteration) against tracemem's static memory and workspaces, which outlive the step
     measured_after_bytes: int | None = None
     tracemem_after_bytes: int | None = None
+    # a third check: iteration 1 (mem-max-allocated-bytes there), whose step makes the
+    # optimizer's lazily created state (``first_step_peak``)
+    measured_first_bytes: int | None = None
+    tracemem_first_bytes: int | None = None
 
     @property
     def error(self) -> float:
@@ -79,10 +86,69 @@ class BoardRow:
         return self.tracemem_after_bytes / self.measured_after_bytes - 1
 
     @property
+    def first_error(self) -> float | None:
+        if not self.measured_first_bytes or self.tracemem_first_bytes is None:
+            return None
+        return self.tracemem_first_bytes / self.measured_first_bytes - 1
+
+    @property
     def formula_error(self) -> float | None:
         if self.formula_bytes is None:
             return None
         return self.formula_bytes / self.measured_bytes - 1
+
+
+def lazy_optimizer_bytes(job, optimizer_bytes: int) -> int:
+    """Of a rank's ``optimizer_bytes`` (master weights + Adam moments), what the optimizer
+    creates at its first step: TE's ``FusedAdam.step`` (transformer_engine/pytorch/optimizers/
+    fused_adam.py at d0067d0, Megatron's Adam when TE is present: megatron/core/optimizer/
+    __init__.py) runs ``initialize_state`` for each parameter whose state is empty: exp_avg and
+    exp_avg_sq, and the master weights when it keeps them (``master_weights``, Megatron's
+    ``--use-precision-aware-optimizer``). Without it the fp32 master weights are made when the
+    optimizer is built (megatron/core/optimizer/distrib_optimizer.py
+    ``_build_model_and_main_param_groups``; optimizer.py ``Float16OptimizerWithFloat16Params``
+    ``__init__``), before iteration 1. The share is per element, so it is exact on the
+    rank's (padded) shard."""
+    recipe = job.parallel.precision_spec
+    lazy = recipe.optimizer_bytes - (0 if job.use_precision_aware_optimizer
+                                     else recipe.master_bytes)
+    return optimizer_bytes * lazy // recipe.optimizer_bytes
+
+
+def first_step_peak(job, traced) -> int:
+    """The simulated ``max_memory_allocated`` of iteration 1 of ``traced`` (replayed): the
+    same schedule with the optimizer's lazily created state (``lazy_optimizer_bytes``) absent
+    until the optimizer step, then allocated at its start (``FusedAdam.step`` initialises
+    every empty state before its kernels run), one block."""
+    from tracemem.categories import Category
+    from tracemem.estimator import _placement, replay_events
+    from tracemem.memory.timeline import replay_through_allocator
+    from types import SimpleNamespace
+
+    static, steps = traced.static, traced.steps
+    lazy = lazy_optimizer_bytes(job, static.optimizer_bytes)
+    stage, where = traced.unit.stage, _placement(job)
+    optimizer_step = next(i for i, s in enumerate(steps) if s.kind == "O")
+    made = SimpleNamespace(category=Category.OPTIMIZER_STATE, module="optimizer",
+                           op="FusedAdam.initialize_state")
+
+    def events():
+        inserted = False
+        for item in replay_events(steps, job.parallel.pp, traced.segments,
+                                  lambda v: where.chunk_index(stage, v)):
+            if not inserted and item[0] >= optimizer_step:
+                yield optimizer_step, ("first-step optimizer state",), "alloc", lazy, made
+                inserted = True
+            yield item
+        if not inserted:
+            yield optimizer_step, ("first-step optimizer state",), "alloc", lazy, made
+    static_items = ([("parameter", static.param_bytes), ("gradient", static.grad_bytes),
+                     ("optimizer_state", static.optimizer_bytes - lazy),
+                     ("buffer", static.buffer_bytes)]
+                    + [("workspace", w.nbytes) for w in static.workspaces])
+    timeline, _ = replay_through_allocator(events(), steps, static_items, "iteration 1",
+                                           config=job.alloc_config)
+    return timeline.stats.allocated_peak
 
 
 def _logged_class(job):
@@ -120,11 +186,13 @@ def score_case(case) -> BoardRow:
     static = traced.static
     after = (static.param_bytes + static.grad_bytes + static.optimizer_bytes
              + static.buffer_bytes + static.workspace_bytes)
+    first = first_step_peak(job, traced) if case.iteration1_bytes else None
     return BoardRow(case.name, case.gpu, case.world_size, case.measured_iteration,
                     case.measured_bytes, row.allocated_peak_bytes, row.peak_bytes,
                     unit.stage, job.world_size - 1, notes, row.workspace_bytes,
                     formula.total_bytes,
-                    (case.allocated or {}).get(case.measured_iteration), after)
+                    (case.allocated or {}).get(case.measured_iteration), after,
+                    case.iteration1_bytes, first)
 
 
 def score_cases(cases, progress: Callable[[str], None] | None = None
@@ -161,6 +229,10 @@ def summary(rows: list[BoardRow]) -> dict:
     if after:
         out["after_step"] = {"cases": len(after), **_stats(after),
                              "mean_error": statistics.fmean(after)}
+    first = [r.first_error for r in rows if r.first_error is not None]
+    if first:
+        out["iteration_1"] = {"cases": len(first), **_stats(first),
+                              "mean_error": statistics.fmean(first)}
     formula = [r.formula_error for r in rows if r.formula_error is not None]
     if formula:
         out["formula"] = {"cases": len(formula), **_stats(formula),
@@ -187,14 +259,17 @@ def format_board(rows: list[BoardRow], left_out: list[tuple[object, str]],
               f"{r.tracemem_bytes:,}", f"{r.tracemem_bytes / gib:.3f}", f"{r.error:+.1%}",
               f"{r.workspace_bytes / 2**20:.0f}",
               "-" if r.after_error is None else f"{r.after_error:+.1%}",
+              "-" if r.first_error is None else f"{r.first_error:+.1%}",
               "-" if r.formula_error is None else f"{r.formula_error:+.1%}",
               len(r.approximations)] for r in sorted(rows, key=lambda r: r.name)]
     lines = [tabulate(table, headers=["case", "GPU", "GPUs", "iter", "measured B",
                                       "GiB", "tracemem B", "GiB", "error", "of it: ws MiB",
-                                      "after-step error", "formula error", "approx."],
+                                      "after-step error", "iter-1 error", "formula error",
+                                      "approx."],
                       disable_numparse=True,
                       colalign=("left", "left", "right", "right", "right", "right", "right",
-                                "right", "right", "right", "right", "right", "right"))]
+                                "right", "right", "right", "right", "right", "right",
+                                "right"))]
     s = summary(rows)
     if s["cases"]:
         lines += ["", _summary_line("Summary", s) + " (tracemem / measured - 1; GiB = 2^30 B; "
@@ -202,6 +277,9 @@ def format_board(rows: list[BoardRow], left_out: list[tuple[object, str]],
         if "after_step" in s:
             lines.append(_summary_line("After the step (mem-allocated-bytes against static "
                                        "memory + workspaces)", s["after_step"]))
+        if "iteration_1" in s:
+            lines.append(_summary_line("Iteration 1 (mem-max-allocated-bytes; Adam's moments "
+                                       "made at its optimizer step)", s["iteration_1"]))
         if "formula" in s:
             lines.append(_summary_line("Megatron-LM's theoretical_memory_usage on the same "
                                        "cases", s["formula"]))

@@ -44,7 +44,7 @@ BASE_JOB = dict(
     kernel_options={"moe_shared_expert_overlap": False, "gradient_accumulation_fusion": True,
                     "cross_entropy_fusion": "none", "masked_softmax_fusion": True},
     routing="balanced", optimizer="fused", deallocate_pipeline_outputs=True, alloc_conf=None,
-    make_vocab_size_divisible_by=128, origin="megatron")
+    cublas_workspace_config=None, make_vocab_size_divisible_by=128, origin="megatron")
 # ... and of its GPTModel (the dense ModelConfig defaults where Megatron has no say)
 BASE_MODEL = dict(
     name="megatron-lm arguments", model_type="gpt", attention="gqa", rms_norm_eps=1e-5,
@@ -150,7 +150,12 @@ CASES = [
      dict(world_size=16, micro_batch_size=4, seq_length=4096, global_batch_size=32, tp=2,
           sp=True, pp=2, vpp=4, ep=4, etp=1, zero=1, schedule="interleaved-1f1b",
           attention="unfused", experts="grouped",
-          kernel_options=KERNELS | {"cross_entropy_fusion": "native"},
+          kernel_options=KERNELS | {"cross_entropy_fusion": "native",
+                                    # the yaml's --moe-permute-fusion, --moe-token-
+                                    # dispatcher-type alltoall, --moe-router-dtype fp32
+                                    "moe_permute_fusion": True,
+                                    "moe_token_dispatcher": "alltoall",
+                                    "moe_router_dtype": "fp32"},
           alloc_conf="expandable_segments:True", make_vocab_size_divisible_by=3232),
      dict(vocab_size=50257, hidden_size=1024, intermediate_size=4096, num_layers=16,
           num_attention_heads=32, num_key_value_heads=32, attention="mla", rms_norm_eps=1e-6,
@@ -166,7 +171,8 @@ CASES = [
      # 32 layers / PP 4 = 8 per rank / 1 per virtual stage: VPP 8; DP 2, M = 8 / 2 = 4
      dict(world_size=8, micro_batch_size=1, seq_length=8192, global_batch_size=8, pp=4, vpp=8,
           zero=1, schedule="interleaved-1f1b", gradient_accumulation_fusion=False,
-          kernel_options=KERNELS | {"gradient_accumulation_fusion": False}),
+          kernel_options=KERNELS | {"gradient_accumulation_fusion": False},
+          cublas_workspace_config=":4096:8"),  # the yaml's ENV_VARS
      dict(vocab_size=131073, hidden_size=4096, intermediate_size=16384, num_layers=32,
           num_attention_heads=32, num_key_value_heads=8, head_dim=128,
           max_position_embeddings=8192, tie_word_embeddings=False)),
@@ -174,7 +180,8 @@ CASES = [
      dict(world_size=8, micro_batch_size=4, seq_length=1024, global_batch_size=32, pp=4,
           pp_first_stage_layers=2, pp_last_stage_layers=2, attention="unfused",
           gradient_accumulation_fusion=False,
-          kernel_options=KERNELS | {"gradient_accumulation_fusion": False}),
+          kernel_options=KERNELS | {"gradient_accumulation_fusion": False},
+          cublas_workspace_config=":4096:8"),
      dict(vocab_size=50257, hidden_size=512, intermediate_size=2048, num_layers=12,
           num_attention_heads=8, num_key_value_heads=8, head_dim=64,
           max_position_embeddings=1024, tie_word_embeddings=False)),
@@ -201,7 +208,9 @@ CASES = [
      dict(world_size=8, micro_batch_size=1, seq_length=512, global_batch_size=16, pp=2,
           vpp=2, pp_layout=(1, 2, 2, 1), ep=4, etp=1, zero=1, schedule="interleaved-1f1b",
           recompute="selective", recompute_modules=("mla_up_proj", "layernorm", "moe"),
-          experts="grouped"),
+          experts="grouped", kernel_options=KERNELS | {
+              "moe_permute_fusion": True, "moe_token_dispatcher": "alltoall",
+              "moe_router_dtype": "fp32"}),
      dict(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_layers=6,
           num_attention_heads=8, num_key_value_heads=8, attention="mla", rms_norm_eps=1e-6,
           max_position_embeddings=512, tie_word_embeddings=False, normalization="rmsnorm",
@@ -216,7 +225,11 @@ CASES = [
      # DP = 16 / 2 = 8, M = 64 / 8 = 8; softmax after the top-k (no --moe-router-pre-softmax)
      dict(world_size=16, micro_batch_size=1, seq_length=4096, global_batch_size=64, tp=2,
           sp=True, ep=4, etp=1, zero=1, recompute="selective",
-          recompute_modules=("core_attn", "moe"), experts="grouped"),
+          recompute_modules=("core_attn", "moe"), experts="grouped",
+          # no --moe-router-dtype: the router's logits in the activations' dtype
+          kernel_options=KERNELS | {"moe_permute_fusion": True,
+                                    "moe_token_dispatcher": "alltoall",
+                                    "moe_router_dtype": "input"}),
      dict(vocab_size=32000, hidden_size=512, intermediate_size=1792, num_layers=4,
           num_attention_heads=8, num_key_value_heads=4, head_dim=64,
           max_position_embeddings=32768, tie_word_embeddings=False, normalization="rmsnorm",
@@ -504,11 +517,24 @@ def test_the_flex_dispatcher_of_a_release_test_is_refused():
         megatron_job_kwargs(argv, env=env, world_size=64, vocab_size=256000)
 
 
-def test_megatrons_default_allgather_dispatcher_is_refused_for_a_moe_model():
-    argv = [a for a in _tiny(moe=True) if a not in ("--moe-token-dispatcher-type", "alltoall")]
-    with pytest.raises(TracememError, match=r"--moe-token-dispatcher-type allgather "
-                                            r"\(Megatron's default"):
-        megatron_job_kwargs(argv, world_size=1)
+def test_megatrons_moe_defaults_become_kernel_options():
+    # Megatron's defaults: --moe-token-dispatcher-type allgather, no --moe-permute-fusion,
+    # no --moe-router-dtype (arguments.py at d98e8a6)
+    argv = [a for a in _tiny(moe=True) if a not in ("--moe-token-dispatcher-type", "alltoall",
+                                                    "--moe-permute-fusion")]
+    options = megatron_job_kwargs(argv, world_size=1)["kernel_options"]
+    assert (options["moe_token_dispatcher"], options["moe_permute_fusion"],
+            options["moe_router_dtype"]) == ("allgather", False, "input")
+
+
+def test_megatrons_gelu_moe_and_sinkhorn_routing_give_the_model():
+    argv = [a for a in _tiny(moe=True) if a != "--swiglu"] + [
+        "--moe-router-load-balancing-type", "sinkhorn", "--moe-router-topk", "1"]
+    model = megatron_job_kwargs(argv, world_size=1)["model"]
+    assert (model.hidden_act, model.gated_mlp, model.topk_method) == ("gelu", False,
+                                                                       "sinkhorn")
+    with pytest.raises(TracememError, match=r"Sinkhorn routing does not support aux loss"):
+        megatron_job_kwargs(argv + ["--moe-aux-loss-coeff", "0.01"], world_size=1)
 
 
 def test_an_attention_backend_environment_that_megatron_rejects():
@@ -539,8 +565,8 @@ def test_fp32_and_fp16_training_are_refused():
      r'Using recompute_granularity: full so recompute_method must be "block" or "uniform"'),
     (["--recompute-granularity", "selective", "--recompute-method", "uniform"],
      r"recompute method is not yet supported for selective recomputing granularity"),
-    (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"],
-     r"not modelled yet: --recompute-modules moe_act"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "gdn_norm_out"],
+     r"not modelled yet: --recompute-modules gdn_norm_out"),
     (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
      r"mla_up_proj in recompute_modules is only supported with multi_latent_attention"),
     (["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1",
@@ -755,3 +781,17 @@ def test_megatron_gpt_shapes_have_their_parameter_counts_by_hand(extra, counts):
     cfg = megatron_job_kwargs(argv, world_size=1)["model"]
     got = count_by_component(build_model(cfg, "meta"), buffers=False)
     assert {k: v for k, v in got.items() if v or k in counts} == counts
+
+
+def test_distribute_saved_activations_is_honoured_with_megatrons_checks():
+    full = ["--tensor-model-parallel-size", "2", "--recompute-granularity", "full",
+            "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    kwargs = megatron_job_kwargs(_tiny(*full, "--distribute-saved-activations"), world_size=2)
+    assert kwargs["distribute_saved_activations"] and kwargs["recompute"] == "full"
+    assert "--distribute-saved-activations" in to_megatron_args(kwargs)
+    # validate_args: full recompute only, TP > 1 only
+    with pytest.raises(TracememError, match="only application to full recompute"):
+        megatron_job_kwargs(_tiny("--tensor-model-parallel-size", "2",
+                                  "--distribute-saved-activations"), world_size=2)
+    with pytest.raises(TracememError, match="only across tensor model parallel groups"):
+        megatron_job_kwargs(_tiny(*full[2:], "--distribute-saved-activations"), world_size=1)
