@@ -108,6 +108,9 @@ HONOURED: dict[str, str] = {
     "--recompute-granularity": "recompute 'full' / 'selective' (absent: 'none')",
     "--recompute-method": "recompute_method",
     "--recompute-num-layers": "recompute_num_layers",
+    "--distribute-saved-activations": "distribute_saved_activations (full recompute: each "
+                                      "checkpoint keeps 1 / TP of its input, gathered back in "
+                                      "backward; modeling.common.checkpoint)",
     "--recompute-modules": "recompute_modules (core_attn, mla_up_proj, layernorm, mlp, moe, "
                            "moe_act, shared_experts; gdn_norm_out, gdp_in_proj, gdp_qkv, mhc "
                            "refused by name)",
@@ -138,9 +141,6 @@ HONOURED: dict[str, str] = {
     "--moe-token-dispatcher-type": "kernel option moe_token_dispatcher: alltoall or "
                                    "allgather (Megatron's default: tokens gathered over ETP x "
                                    "EP); flex refused for a MoE model",
-    "--distribute-saved-activations": "distribute_saved_activations (full recompute: each "
-                                      "checkpoint keeps 1 / TP of its input, gathered back in "
-                                      "backward; modeling.common.checkpoint)",
     "--moe-layer-recompute": "recompute 'selective' with recompute_modules + 'moe' "
                              "(TransformerConfig.__post_init__; refused with full)",
     "--moe-permute-fusion": "kernel option moe_permute_fusion: TE's fused permute / unpermute "
