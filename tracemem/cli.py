@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(binary: KiB, MiB, GiB, TiB), 80GB (decimal, as data sheets print: "
                            "kB, MB, GB, TB) or bytes; the verdict says which (write "
                            "--hbm=VALUE for a value starting with -)")
-    step.add_argument("--gpu", choices=sorted(GPUS), default=None,
+    step.add_argument("--gpu", choices=sorted(GPUS), default=None, type=str.upper,
                       help="the GPU kind: counts the allocations below the dispatcher that "
                            "depend on it (cuBLAS workspaces per architecture, TE's dummy "
                            "weight gradients, Megatron's global memory buffer, RoPE's cache: "
@@ -1273,7 +1273,18 @@ def _check_flag_names(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         return  # argparse names the bad command
     sub_parser = sub.choices[command]
     options = {opt for action in sub_parser._actions for opt in action.option_strings}
-    for token in argv[argv.index(command) + 1:]:
+    rest = argv[argv.index(command) + 1:]
+    if "--megatron-args" in rest:  # a tracemem flag given after it is Megatron's to argparse
+        from tracemem.frontdoors.megatron_args import megatron_arguments
+
+        theirs = {o for a in megatron_arguments() for o in a["flags"]}
+        for token in rest[rest.index("--megatron-args") + 1:]:
+            name = token.split("=", 1)[0]
+            if name in options and name not in theirs:  # the message _job_kwargs gives
+                raise TracememError(f"{name} is tracemem's flag, not Megatron-LM's: give it "
+                                    f"before --megatron-args (everything after that is "
+                                    f"Megatron's)")
+    for token in rest:
         if token == "--megatron-args":
             break
         name = token.split("=", 1)[0]
@@ -1290,7 +1301,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     finds a difference its residue does not name."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    _check_flag_names(parser, argv)
+    try:
+        _check_flag_names(parser, argv)
+    except TracememError as error:  # before argparse's "required" for a flag given too late
+        print(f"tracemem: error: {error}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     args.given = _typed_dests(parser, args.command, argv)
     args.options = _options(parser, args.command)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import difflib
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
 from tracemem.errors import TracememError
@@ -81,19 +81,21 @@ RENAMED = {"schedule_name": "schedule"}
 
 
 def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
-    """``"80GiB"`` -> 85899345920, ``"80GB"`` -> 80000000000, ``"1024"`` -> 1024. Units:
-    B, KiB, MiB, GiB, TiB (binary: 2^10 steps), kB, MB, GB, TB (decimal: 10^3 steps, as GPU data
-    sheets write "80 GB"), or none (bytes); case and a space before the unit do not matter
+    """``"80GiB"`` -> 85899345920, ``"80GB"`` -> 80000000000, ``"1024"`` or ``1024`` -> 1024.
+    Units: B, KiB, MiB, GiB, TiB (binary: 2^10 steps), kB, MB, GB, TB (decimal: 10^3 steps, as
+    GPU data sheets write "80 GB"), or none (bytes); case and a space before the unit do not matter
     (``size_unit`` says which kind a text used). ``zero`` also accepts a size of 0.
 
     Raises:
-        TracememError: not a string, not a number (and a unit), below one byte (other than 0
-            with ``zero``), or more than 1 PiB (``MAX_HBM_BYTES``: no device holds that); the
-            message names ``flag``.
+        TracememError: not a string or an int, not a number (and a unit), below one byte
+            (other than 0 with ``zero``), or more than 1 PiB (``MAX_HBM_BYTES``: no device
+            holds that); the message names ``flag``.
     """
+    if isinstance(text, int) and not isinstance(text, bool):
+        text = str(text)  # a byte count, as the CLI takes "80000000000" and JSON prints
     if not isinstance(text, str):
         raise TracememError(f"{flag} {_show(text)} is invalid; give a size as text, such as "
-                            f"80GiB")
+                            f"80GiB, or a byte count (an int)")
     number, unit = _split_size(text)
     if unit is not None and len(number) <= 40:
         try:
@@ -605,6 +607,12 @@ class Job:
             TracememError: an unknown keyword, or any invalid field (the class docstring).
         """
         check_fields(fields_)
+        required = [f.name for f in fields(cls) if f.init and f.name != "model"
+                    and f.default is MISSING and f.default_factory is MISSING
+                    and f.name not in fields_]
+        if required:
+            raise TracememError(f"a Job needs {', '.join(required)} (keywords) beside the model"
+                                f"{'' if model is not None else ' (model is None)'}")
         return cls(model=model, **fields_)
 
     def with_changes(self, **changes) -> Job:

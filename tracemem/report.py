@@ -220,7 +220,8 @@ def format_verdict(verdict: dict[str, Any], units: str = "GiB", hbm_given: str |
     stage_word = "pipeline stage" if n == 1 else "pipeline stages"
     if not over:
         spare = hbm - verdict["worst_needed_bytes"]
-        return (f"Verdict: all {n} {stage_word} fit in {_hbm_label(hbm, units, hbm_given)}; "
+        every = f"all {n} {stage_word} fit" if n > 1 else "the pipeline stage fits"
+        return (f"Verdict: {every} in {_hbm_label(hbm, units, hbm_given)}; "
                 f"{worst} ({_size_label(spare, units)} to spare).")
     listed = "stage" if len(over) == 1 else "stages"
     exceed = "exceeds" if len(over) == 1 else "exceed"

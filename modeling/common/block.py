@@ -133,8 +133,11 @@ class Block(nn.Module):
                                     f"full (Megatron's full-recompute checkpoint), not "
                                     f"--recompute {recompute}")
             if self.sp > 1:  # TransformerConfig.__post_init__
-                raise TracememError("distribute_saved_activations: True must be false when "
-                                    "sequence parallel is enabled: True")
+                raise TracememError("Megatron-LM refuses this job: distribute_saved_"
+                                    "activations: True must be false when sequence parallel "
+                                    "is enabled: True (megatron/core/transformer/"
+                                    "transformer_config.py TransformerConfig.__post_init__); "
+                                    "drop --sp or --distribute-saved-activations")
             if not megatron:
                 raise TracememError(f"--distribute-saved-activations is Megatron's checkpoint "
                                     f"and needs --kernels megatron-te, not --kernels "

@@ -114,7 +114,8 @@ def test_missing_mtp_counts_name_the_mtp_module(tmp_path):
     ("infGiB", r"--hbm 'infGiB' is more than 1 PiB"),
     ("1e400GiB", r"--hbm '1e400GiB' is more than 1 PiB"),
     ("nanGiB", r"--hbm 'nanGiB' is invalid"),
-    (80, r"--hbm 80 is invalid; give a size as text"),
+    (80, r"--hbm '80' is 80 bytes; give a unit"),  # an int is a byte count, as the CLI's
+    (80.0, r"--hbm 80.0 is invalid; give a size as text"),
 ])
 def test_hbm_values_are_not_taken_silently(value, message):
     with pytest.raises(TracememError, match=message):

@@ -188,3 +188,12 @@ def test_an_empty_megatron_args_and_a_printed_override(capsys, args_file):
                          "--print-megatron-args", "--megatron-args", f"@{args_file}")
     assert code == 0 and out.startswith("--")
     assert "tracemem's flags override the Megatron-LM job's: --tp" in err
+
+
+def test_a_required_tracemem_flag_after_megatron_args_is_named_not_missing(capsys, args_file):
+    # argparse would say "the following arguments are required: --world-size"
+    code, _, err = run(capsys, "estimate", "--quiet", "--megatron-args", f"@{args_file}",
+                       "--world-size", "4")
+    assert code == 2 and err.strip() == (
+        "tracemem: error: --world-size is tracemem's flag, not Megatron-LM's: give it before "
+        "--megatron-args (everything after that is Megatron's)")

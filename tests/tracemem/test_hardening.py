@@ -222,3 +222,32 @@ def test_a_waiting_ray_init_times_out_or_stops_on_sigterm(timeout_s, terminate, 
     _, err = process.communicate(timeout=15)
     assert (process.returncode, err.strip()) == (code, line)
     assert time.monotonic() - started < 5  # not the 20 s the fake Ray would wait
+
+
+# --- from the fresh-user trial of this stop --------------------------------------------------
+def test_a_negative_megatron_size_is_named():
+    from tracemem.frontdoors import megatron_job_kwargs
+    argv = ("--num-layers -3 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+            "--max-position-embeddings 64 --micro-batch-size 1 --bf16 --vocab-size 100 "
+            "--tokenizer-type NullTokenizer").split()
+    with pytest.raises(TracememError, match=r"^--num-layers -3 must be a positive integer$"):
+        megatron_job_kwargs(argv, world_size=1)
+
+
+def test_hbm_takes_a_byte_count_and_a_job_names_its_missing_keywords():
+    from tracemem import estimate
+    from tracemem.job import parse_bytes
+    assert parse_bytes(80 * 10**9) == 80 * 10**9  # as the CLI's "80000000000" and the JSON
+    with pytest.raises(TracememError, match=r"^a Job needs world_size, micro_batch_size, "
+                                            r"seq_length \(keywords\) beside the model "
+                                            r"\(model is None\)$"):
+        estimate(None)
+
+
+def test_gpu_is_case_insensitive_and_one_stage_reads_as_one(capsys):
+    from tracemem.cli import main
+    code = main(["estimate", "--model", "llama-tiny", "--world-size", "1", "--quiet",
+                 "--micro-batch-size", "1", "--seq-length", "32", "--num-microbatches", "1",
+                 "--gpu", "h100", "--hbm", "80GB"])
+    out = capsys.readouterr().out
+    assert code == 0 and "Verdict: the pipeline stage fits in" in out

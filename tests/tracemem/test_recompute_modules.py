@@ -254,7 +254,8 @@ def _block(**kw):
      r"rule: add --no-moe-shared-expert-overlap\)$"),
     (dict(kernels=get_profile("megatron-te"), layout=dict(world_size=2, tp=2, sp=True)),
      ("full", frozenset(), True),
-     r"^distribute_saved_activations: True must be false when sequence parallel is enabled"),
+     r"^Megatron-LM refuses this job: distribute_saved_activations: True must be false when "
+     r"sequence parallel is enabled"),
     (dict(kernels=get_profile("megatron-te")), ("selective", frozenset({"core_attn"}), True),
      r"^--distribute-saved-activations applies to --recompute full"),
     (dict(kernels=get_profile("eager")), ("full", frozenset(), True),

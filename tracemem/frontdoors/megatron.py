@@ -592,6 +592,17 @@ def megatron_job_kwargs(argv, *, env: Mapping[str, str] | None = None,
                         ("--pipeline-model-parallel-size", pp),
                         ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep)):
         _positive(flag, value)
+    # the model's sizes as given (Megatron's argparse takes any int)
+    for flag, value in (("--num-layers", ns.num_layers), ("--hidden-size", ns.hidden_size),
+                        ("--num-attention-heads", ns.num_attention_heads),
+                        ("--seq-length", ns.seq_length)):
+        if value is not None:
+            _positive(flag, value)
+    for flag, value in (("--ffn-hidden-size", ns.ffn_hidden_size),
+                        ("--kv-channels", ns.kv_channels), ("--num-experts", ns.num_experts),
+                        ("--moe-ffn-hidden-size", ns.moe_ffn_hidden_size)):
+        if value is not None and value < 0:
+            _positive(flag, value)
     sp = bool(ns.sequence_parallel and tp > 1)  # validate_args turns SP off at TP 1
     experts = ns.num_experts or 0
     if ep > 1:
