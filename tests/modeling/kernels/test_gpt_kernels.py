@@ -19,36 +19,19 @@ from modeling.kernels import get_profile
 from modeling.kernels.activations import compiled_squared_relu, fused_bias_gelu
 from modeling.kernels.linear import te_linear
 from modeling.kernels.norm import te_layer_norm
-from tracemem import MemoryTracer
+from tracemem.validation.kernel_trace import leaf, trace_call
 
 BF16, F32 = torch.bfloat16, torch.float32
-
-
-def leaf(*shape, dtype=BF16):
-    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
 
 
 def run(fn, inputs, externals=()):
     """``fn(*inputs)`` forward and backward traced: (forward allocations, the storages made in
     forward and alive after it besides the output, backward allocations besides the seed),
     each as sorted or ordered (shape, dtype) pairs, and the kept bytes."""
-    tracer = MemoryTracer(rounding=None)
-    tracer.track_external(*inputs, *externals)
-    with tracer:
-        out = fn(*inputs)
-    forward = [(e.shape, e.dtype) for e in tracer.events
-               if e.action == "alloc" and e.phase.value == "forward"]
-    out_id = tracer._live[out.untyped_storage()._cdata].sid
-    kept = [i for i in tracer.live_at("now")
-            if i.phase.value == "forward" and i.storage_id != out_id]
-    grad = torch.empty(out.shape, dtype=out.dtype, device="meta")
-    tracer.track_external(grad)
-    start = len(tracer.events)
-    with tracer:
-        out.backward(grad)
-    backward = [(e.shape, e.dtype) for e in tracer.events[start:] if e.action == "alloc"]
-    return (forward, sorted(((i.shape, i.dtype) for i in kept), key=str), backward,
-            sum(i.nbytes for i in kept))
+    t = trace_call(fn, inputs, externals)
+    return ([(e.shape, e.dtype) for e in t.allocs(t.forward)],
+            sorted(((i.shape, i.dtype) for i in t.kept), key=str),
+            [(e.shape, e.dtype) for e in t.allocs(t.backward)], t.kept_bytes)
 
 
 def test_te_layer_norm_keeps_its_input_mu_and_rsigma():
