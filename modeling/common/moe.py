@@ -102,23 +102,26 @@ def _megatron_experts(k: KernelProfile, x: Tensor, probs: Tensor, fc1: list[Tens
     inter, h = fc2[0].shape[-1], fc2[0].shape[-2]
     hidden = k.grouped_linear(x, fc1, (2 if gated else 1) * inter)
     if recompute_act:
-        def bias_act(hidden: Tensor, probs: Tensor) -> Tensor:
-            if gated:
-                return k.weighted_swiglu(hidden, probs)
-            return (_ACTIVATIONS[activation](hidden) * probs).to(hidden.dtype)
         ckpt = CheckpointWithoutOutput()
-        act = ckpt.checkpoint(bias_act, hidden, probs)
+        act = ckpt.checkpoint(lambda y, p: _weighted_activation(k, y, p, gated, activation),
+                              hidden, probs)
         del hidden
         out = k.grouped_linear(act, fc2, h)
         ckpt.discard_output_and_register_recompute(out)
         return out
+    return k.grouped_linear(_weighted_activation(k, hidden, probs, gated, activation), fc2, h)
+
+
+def _weighted_activation(k: KernelProfile, hidden: Tensor, probs: Tensor, gated: bool,
+                         activation: str) -> Tensor:
+    """The experts' activation with the probabilities ``probs`` ``(rows, 1)`` applied
+    (``TEGroupedMLP.forward``'s ``bias_act_func``, ``MLP.forward`` with ``per_token_scale``):
+    the fused weighted SwiGLU when gated, else ``activation_func(hidden) * probs`` cast back
+    to ``hidden``'s dtype (``hidden`` ``(rows, f)``; it dies with the caller's reference)."""
     if gated:
-        return k.grouped_linear(k.weighted_swiglu(hidden, probs), fc2, h)
+        return k.weighted_swiglu(hidden, probs)
     dtype = hidden.dtype
-    act = _ACTIVATIONS[activation](hidden)
-    del hidden
-    act = (act * probs).to(dtype)
-    return k.grouped_linear(act, fc2, h)
+    return (_ACTIVATIONS[activation](hidden) * probs).to(dtype)
 
 
 def _cumsum(counts: list[int]) -> list[int]:
@@ -488,12 +491,7 @@ class MoE(nn.Module):
 
         def run(expert, x, p):
             fc1 = [expert.w1.weight, expert.w3.weight] if gated else [expert.w1.weight]
-            hidden = k.linear(x, fc1, "duplicated", 1)
-            if gated:
-                hidden = k.weighted_swiglu(hidden, p)
-            else:
-                dtype = hidden.dtype
-                hidden = (_ACTIVATIONS[act](hidden) * p).to(dtype)
+            hidden = _weighted_activation(k, k.linear(x, fc1, "duplicated", 1), p, gated, act)
             return k.linear(hidden, [expert.w2.weight], "duplicated", 1)
         if len(self.experts) == 1:
             return run(self.experts[0], tokens, probs_col)
