@@ -503,6 +503,7 @@ def _megatron_job(args: argparse.Namespace, **fixed):
                             "--megatron-args) both describe the model; give one")
     from tracemem.frontdoors import (
         expand_megatron_args,
+        following_changes,
         megatron_approximations,
         megatron_args_from_yaml,
         megatron_job_kwargs,
@@ -532,6 +533,7 @@ def _megatron_job(args: argparse.Namespace, **fixed):
                            megatron_approximations(argv, env=env))
     overrides = _explicit(_flag_fields(args), args)
     overrides.pop("world_size", None)  # the launcher's, which Megatron does not take
+    overrides |= following_changes(argv, kwargs, overrides)  # a new --tp moves a default ETP
     # say what replaced an argument of the job (tracemem's own settings, such as --hbm, are
     # not overrides)
     args.overrides = sorted(name for name, value in overrides.items()
@@ -1174,6 +1176,12 @@ def _run_validate_ci(args: argparse.Namespace) -> str:
                             "NAME")
     scored, left_out = selection()
     if args.left_out:
+        if args.ci_case:  # only the named ones
+            left_out = [(c, why) for c, why in left_out
+                        if any(part in c.name for part in args.ci_case)]
+            if not left_out:
+                raise TracememError(f"--ci-case {args.ci_case[0]!r} names no case left out "
+                                    f"(see --left-out without --ci-case)")
         if args.json:
             return json.dumps([{"case": c.name, "reason": why} for c, why in left_out],
                               indent=2)

@@ -522,6 +522,8 @@ class Job:
         put(self, "routing_model", parse_routing(self.routing, self.seed))
         put(self, "replacements", resolve_replacements(self.replace))
         put(self, "megatron_args", tuple(self.megatron_args))
+        if isinstance(self.gpu, str) and self.gpu.upper() in GPUS:
+            put(self, "gpu", self.gpu.upper())  # "h100" is the H100, as the CLI takes it
         if self.gpu is not None and self.gpu not in GPUS:
             raise TracememError(f"--gpu {self.gpu!r} is invalid; choose one of "
                                 f"{', '.join(GPUS)}")
@@ -607,6 +609,10 @@ class Job:
             TracememError: an unknown keyword, or any invalid field (the class docstring).
         """
         check_fields(fields_)
+        if isinstance(model, Mapping):
+            raise TracememError("the model is a dict: give a preset name, a config.json path "
+                                "or a ModelConfig, and the job's fields as keywords "
+                                "(estimate(model, world_size=..., ...) or Job(model=..., ...))")
         required = [f.name for f in fields(cls) if f.init and f.name != "model"
                     and f.default is MISSING and f.default_factory is MISSING
                     and f.name not in fields_]

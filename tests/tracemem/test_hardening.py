@@ -251,3 +251,17 @@ def test_gpu_is_case_insensitive_and_one_stage_reads_as_one(capsys):
                  "--gpu", "h100", "--hbm", "80GB"])
     out = capsys.readouterr().out
     assert code == 0 and "Verdict: the pipeline stage fits in" in out
+
+
+def test_from_the_second_trial_gpu_case_a_dict_model_and_left_out_by_name(capsys):
+    from tracemem import estimate
+    from tracemem.cli import main
+    from tracemem.job import Job
+    job = Job(model="llama-tiny", world_size=1, micro_batch_size=1, seq_length=32,
+              num_microbatches=1, gpu="h100")
+    assert job.gpu == "H100"  # as the CLI takes it
+    with pytest.raises(TracememError, match=r"^the model is a dict: give a preset name"):
+        estimate({"world_size": 1})
+    assert main(["validate", "--against", "megatron-ci", "--left-out", "--ci-case",
+                 "no-such-case"]) == 2
+    assert "names no case left out" in capsys.readouterr().err

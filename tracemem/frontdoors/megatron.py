@@ -50,7 +50,8 @@ from tracemem.frontdoors.megatron_tables import (ENV_HONOURED, ENV_NEUTRAL,
                                                  REFUSED)
 
 __all__ = ["megatron_job_kwargs", "megatron_job", "megatron_approximations",
-           "to_megatron_args", "megatron_flag_changes", "REFUSED_WHEN", "APPROXIMATIONS_WHEN",
+           "to_megatron_args", "megatron_flag_changes", "following_changes", "REFUSED_WHEN",
+           "APPROXIMATIONS_WHEN",
            "MODEL_NAME", "RECOMPUTE_MODULE_NAMES"]
 
 MODEL_NAME = "megatron-lm arguments"  # the ModelConfig's name (its error messages' source)
@@ -767,8 +768,23 @@ def megatron_job(argv, *, env=None, world_size=None, vocab_size=None, **fields):
     from tracemem.job import Job
 
     kwargs = megatron_job_kwargs(argv, env=env, world_size=world_size, vocab_size=vocab_size)
-    kwargs.update(fields)
+    kwargs.update(fields | following_changes(argv, kwargs, fields))
     return Job(**kwargs)
+
+
+def following_changes(argv, kwargs: Mapping[str, Any], changes: Mapping[str, Any]
+                      ) -> dict[str, Any]:
+    """The Job fields that follow ``changes`` made to the job of ``argv`` (its
+    ``megatron_job_kwargs`` ``kwargs``) where Megatron derives one flag from another: without
+    ``--expert-tensor-parallel-size`` a MoE job's ETP is its TP (megatron/training/
+    arguments.py validate_args: ``args.expert_tensor_parallel_size =
+    args.tensor_model_parallel_size``), so a new TP moves it too."""
+    out: dict[str, Any] = {}
+    if "tp" in changes and "etp" not in changes and kwargs["model"].num_routed_experts:
+        _, given = parse_with_given(argv)
+        if "expert_tensor_parallel_size" not in given:
+            out["etp"] = changes["tp"]
+    return out
 
 
 def megatron_approximations(argv, *, env: Mapping[str, str] | None = None) -> list[str]:

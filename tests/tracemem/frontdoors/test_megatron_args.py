@@ -26,7 +26,7 @@ import pytest
 from tracemem.errors import TracememError
 from tracemem.frontdoors import (expand_megatron_args, megatron_args_from_yaml,
                                  megatron_flag_changes, megatron_job_kwargs,
-                                 parse_megatron_args, to_megatron_args)
+                                 megatron_job, parse_megatron_args, to_megatron_args)
 
 DATA = Path(__file__).parent / "data"
 
@@ -797,3 +797,16 @@ def test_distribute_saved_activations_is_honoured_with_megatrons_checks():
                                   "--distribute-saved-activations"), world_size=2)
     with pytest.raises(TracememError, match="only across tensor model parallel groups"):
         megatron_job_kwargs(_tiny(*full[2:], "--distribute-saved-activations"), world_size=1)
+
+
+def test_a_new_tp_moves_a_moe_jobs_default_etp():
+    # validate_args: without --expert-tensor-parallel-size, ETP = TP; a TP given beside the
+    # arguments changes it too, an ETP the arguments state stays
+    argv = _tiny("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                 "--expert-model-parallel-size", "2", moe=True)
+    job = megatron_job(argv, world_size=8, tp=4)
+    assert (job.tp, job.etp) == (4, 4)
+    job = megatron_job(argv + ["--expert-tensor-parallel-size", "1"], world_size=8, tp=4)
+    assert (job.tp, job.etp) == (4, 1)
+    assert megatron_job(_tiny("--tensor-model-parallel-size", "2"), world_size=8,
+                        tp=4).etp == 1  # dense: no expert TP
