@@ -11,6 +11,7 @@ EDP) shards each static quantity under each ZeRO stage; ``tracemem.static`` read
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, fields
 
@@ -35,6 +36,13 @@ GROUPS = {
     "dp_cp": "DP x CP = world / (TP x PP): the data-parallel group with context parallelism",
     "edp": "EDP = world / (ETP x EP x PP): the expert data-parallel group (CP folded in)",
 }
+# Megatron's --num-distributed-optimizer-instances N (parallel_state.py initialize_model_parallel:
+# the intra-partial groups are contiguous slices of N of the DP x CP group, "Data parallel
+# size should be divisible by partial DistOpt shard factor", and of the EDP group,
+# create_hierarchical_groups([EDP / N, N])): the distributed optimizer and its DDP buffers
+# shard over DP x CP / N and EDP / N (the ZeRO-1 rows of SHARDING name those intra groups),
+# and the gradients are all-reduced across the N instances in place
+# (param_and_grad_buffer.py _ParamAndGradBucketGroup.start_grad_sync).
 
 
 @dataclass(frozen=True)
@@ -142,8 +150,10 @@ class ParallelConfig:
     (``use_precision_aware_optimizer``, ``main_grads_dtype``, ``main_params_dtype``,
     ``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``grad_reduce_in_bf16``,
     ``store_param_remainders``, ``gradient_accumulation_fusion``; None keeps the recipe's:
-    ``tracemem.precision``), ``plan`` (``PLANS``). ``dp``, ``edp`` and ``precision_spec``
-    (the resolved ``Precision``) are derived.
+    ``tracemem.precision``), ``plan`` (``PLANS``), ``num_distributed_optimizer_instances``
+    (Megatron's ``--num-distributed-optimizer-instances``: ZeRO 1 shards over DP x CP / N
+    and EDP / N; ``GROUPS``). ``dp``, ``edp`` and ``precision_spec`` (the resolved
+    ``Precision``) are derived.
 
     Use ``ParallelConfig.create(...)``, which validates against the model and derives the rest.
 
@@ -172,6 +182,7 @@ class ParallelConfig:
     grad_reduce_in_bf16: bool | None = None
     store_param_remainders: bool | None = None
     gradient_accumulation_fusion: bool | None = None
+    num_distributed_optimizer_instances: int = 1
     dp: int = field(init=False)
     edp: int = field(init=False)
     precision_spec: Precision = field(init=False)
@@ -216,6 +227,28 @@ class ParallelConfig:
                 f"{_multiples(self.world_size, expert)}")
         object.__setattr__(self, "dp", self.world_size // dense)
         object.__setattr__(self, "edp", self.world_size // expert)
+        self._check_optimizer_instances()
+
+    def _check_optimizer_instances(self) -> None:
+        n = self.num_distributed_optimizer_instances
+        flag = "--num-distributed-optimizer-instances"
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise TracememError(f"{flag} {n!r} must be a positive integer")
+        if n == 1:
+            return
+        if self.zero in (2, 3):
+            raise TracememError(
+                f"{flag} {n} with --zero {self.zero} is Megatron-FSDP's HSDP "
+                f"(megatron/core/distributed/fsdp/mcore_fsdp_adapter.py: enable_hsdp), not "
+                f"modelled yet; use --zero 1 (the distributed optimizer) or "
+                f"{flag} 1")
+        for name, size in (("DP x CP", self.dp_cp), ("EDP", self.edp)):
+            if size % n:
+                raise TracememError(
+                    f"{flag} {n} must divide {name} ({size}) (Megatron-LM d98e8a6 "
+                    f"parallel_state.py initialize_model_parallel: \"Data parallel size should "
+                    f"be divisible by partial DistOpt shard factor\"); try "
+                    f"{divisors_hint(math.gcd(self.dp_cp, self.edp))}")
 
     @property
     def dp_cp(self) -> int:
@@ -226,11 +259,21 @@ class ParallelConfig:
         """The size of ``group`` (a ``GROUPS`` key) in this layout."""
         return {"dp_cp": self.dp_cp, "edp": self.edp}[group]
 
+    def intra_group_size(self, group: str) -> int:
+        """The size of ``group``'s intra-instance part: ``group_size`` divided by
+        ``num_distributed_optimizer_instances`` (``GROUPS``), the group the distributed
+        optimizer and its DDP buffers shard over."""
+        return self.group_size(group) // self.num_distributed_optimizer_instances
+
     def shards(self, quantity: str, kind: str) -> int:
         """How many ways this layout's ZeRO stage splits ``quantity`` of ``kind`` parameters
-        (``SHARDING``): the group's size, or 1 below the rule's ZeRO stage."""
+        (``SHARDING``): the group's size (ZeRO 1's rows: its intra-instance part), or 1 below
+        the rule's ZeRO stage."""
         rule = sharding_rule(quantity, kind)
-        return self.group_size(rule.group) if self.zero >= rule.zero else 1
+        if self.zero < rule.zero:
+            return 1
+        return (self.intra_group_size(rule.group) if rule.zero == 1
+                else self.group_size(rule.group))
 
     @property
     def num_virtual_stages(self) -> int:

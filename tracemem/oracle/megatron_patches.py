@@ -478,12 +478,12 @@ _MISSING = object()
 @contextlib.contextmanager
 def fake_process_groups(*, world_size: int, rank: int = 0, tp: int = 1, ep: int = 1,
                         etp: int = 1, pp: int = 1, sp: bool = False, cp: int = 1,
-                        vpp: int = 1) -> Iterator[None]:
+                        vpp: int = 1, instances: int = 1) -> Iterator[None]:
     """A fake ``torch.distributed`` world (``torch.testing._internal.distributed.fake_pg``
     ``FakeStore``, backend ``"fake"``: collectives return without moving data) and
     Megatron-Core's model-parallel groups on it (``parallel_state.initialize_model_parallel``
-    with ``create_gloo_process_groups=False``: gloo groups on a fake store fail). Torn down
-    on exit.
+    with ``create_gloo_process_groups=False``: gloo groups on a fake store fail;
+    ``instances``: its ``num_distributed_optimizer_instances``). Torn down on exit.
 
     Raises:
         TracememError: a process group is already initialised in this process.
@@ -502,6 +502,7 @@ def fake_process_groups(*, world_size: int, rank: int = 0, tp: int = 1, ep: int 
             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
             context_parallel_size=cp,
             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+            num_distributed_optimizer_instances=instances,
             create_gloo_process_groups=False)
         yield
     finally:

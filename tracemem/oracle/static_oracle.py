@@ -58,6 +58,7 @@ class StaticCase:
     bucket_size: int | None = None  # --ddp-bucket-size (elements), with overlap
     grad_reduce_in_bf16: bool = False  # --grad-reduce-in-bf16: a bf16 grad buffer
     tied: bool = False  # tied word embeddings (shared_embedding buckets under PP)
+    instances: int = 1  # --num-distributed-optimizer-instances
 
     @property
     def name(self) -> str:
@@ -75,6 +76,8 @@ class StaticCase:
             parts.append("bf16 grads")
         if self.tied:
             parts.append("tied embeddings")
+        if self.instances > 1:
+            parts.append(f"{self.instances} optimizer instances")
         return f"{' '.join(parts)}, rank {self.rank}"
 
 
@@ -98,6 +101,8 @@ STATIC_CASES: tuple[StaticCase, ...] = (
     StaticCase(world_size=4, pp=2, tied=True, rank=0),
     StaticCase(world_size=4, pp=2, tied=True, rank=3),
     StaticCase(world_size=4, pp=2, tied=True, overlap=True, bucket_size=20_000, rank=1),
+    StaticCase(world_size=8, instances=2, rank=7),
+    StaticCase(world_size=8, ep=2, instances=2, rank=6),
 )
 
 
@@ -161,7 +166,8 @@ def _layout(case: StaticCase, cfg):
     return ParallelConfig.create(cfg, world_size=case.world_size, tp=case.tp, sp=case.sp,
                                  cp=case.cp, ep=case.ep, etp=case.etp, pp=case.pp,
                                  vpp=case.vpp, zero=1,
-                                 grad_reduce_in_bf16=case.grad_reduce_in_bf16 or None)
+                                 grad_reduce_in_bf16=case.grad_reduce_in_bf16 or None,
+                                 num_distributed_optimizer_instances=case.instances)
 
 
 def _tracemem(case: StaticCase, cfg) -> StaticBytes:
@@ -226,7 +232,8 @@ def _megatron(case: StaticCase, cfg) -> tuple[StaticBytes, dict]:
 
         with patches.fake_process_groups(world_size=case.world_size, rank=case.rank,
                                          tp=case.tp, ep=case.ep, etp=case.etp, pp=case.pp,
-                                         cp=case.cp, vpp=case.vpp), patches.applied():
+                                         cp=case.cp, vpp=case.vpp,
+                                         instances=case.instances), patches.applied():
             extra = dict(pipeline_model_parallel_size=case.pp, context_parallel_size=case.cp,
                          pipeline_dtype=torch.bfloat16)
             if case.vpp > 1:
@@ -241,7 +248,8 @@ def _megatron(case: StaticCase, cfg) -> tuple[StaticBytes, dict]:
                     grad_reduce_in_fp32=not case.grad_reduce_in_bf16,
                     use_distributed_optimizer=True,
                     overlap_grad_reduce=case.overlap, overlap_param_gather=case.overlap,
-                    bucket_size=case.bucket_size)
+                    bucket_size=case.bucket_size,
+                    num_distributed_optimizer_instances=case.instances)
                 chunks.append(DistributedDataParallel(config, ddp_config, model,
                                                       disable_bucketing=vp > 0))
             optimizer = get_megatron_optimizer(
