@@ -86,6 +86,9 @@ class ModelConfig:
     qk_nope_head_dim: int | None = None  # per-head query/key dims without RoPE d_h
     qk_rope_head_dim: int | None = None  # per-head decoupled RoPE dims d_hr
     v_head_dim: int | None = None  # per-head value dims
+    mla_latent_norms: bool = True  # norms on the q and kv latents (DeepSeek's q_a_layernorm /
+    #                                kv_a_layernorm; Megatron's --qk-layernorm with
+    #                                --multi-latent-attention, else IdentityOp)
     # dense MLP
     hidden_act: str = "silu"  # activation (ACTIVATIONS)
     gated_mlp: bool = True  # act(w1 x) * w3 x (SwiGLU / GeGLU); False: act(w1 x) (GELU MLP)

@@ -4,6 +4,8 @@ Queries: ``wq_b(q_norm(wq_a(x)))`` (or ``wq(x)`` when q_lora_rank is None, as in
 Keys and values: ``wkv_a`` makes the compressed latent (kv_lora_rank) and the decoupled RoPE
 key (qk_rope_head_dim, one shared by all heads); ``wkv_b(kv_norm(latent))`` makes per-head
 no-RoPE keys and values. Module names follow DeepSeek-V3's ``inference/model.py``.
+Without ``cfg.mla_latent_norms`` (Megatron's MLA without ``--qk-layernorm``) neither latent is
+normed; ``cfg.o_bias`` gives ``wo`` (Megatron's ``linear_proj``) a bias, its only one.
 """
 
 from __future__ import annotations
@@ -134,7 +136,8 @@ class MLA(nn.Module):
             self.wq = Linear(h, n * q_head, bias=False, kernels=kern, group=col)
         else:
             self.wq_a = Linear(h, cfg.q_lora_rank, bias=False, kernels=kern, group=dup)
-            self.q_norm = make_norm(cfg, cfg.q_lora_rank, kern)
+            if cfg.mla_latent_norms:
+                self.q_norm = make_norm(cfg, cfg.q_lora_rank, kern)
             self.wq_b = Linear(cfg.q_lora_rank, n * q_head, bias=False, kernels=kern,
                                group=col)
         if replicate_q_rope:
@@ -142,10 +145,14 @@ class MLA(nn.Module):
                                bias=False, group=dup)
         self.wkv_a = Linear(h, self.kv_lora_rank + self.rope_dim, bias=False, kernels=kern,
                             group=dup)
-        self.kv_norm = make_norm(cfg, self.kv_lora_rank, kern)
+        if cfg.mla_latent_norms:
+            self.kv_norm = make_norm(cfg, self.kv_lora_rank, kern)
         self.wkv_b = Linear(self.kv_lora_rank, n * (self.nope_dim + self.v_head_dim),
                             bias=False, kernels=kern, group=col)
-        self.wo = Linear(n * self.v_head_dim, h, bias=False, kernels=kern, group=rw)
+        # Megatron-Core's linear_proj has bias=add_bias_linear (multi_latent_attention.py
+        # MLASelfAttention.__init__, skip_bias_add=True: added in bias_dropout_add; the same
+        # bytes in the GEMM here, as GQA's); every other MLA projection has none
+        self.wo = Linear(n * self.v_head_dim, h, bias=cfg.o_bias, kernels=kern, group=rw)
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, self.rope_dim, 2, dtype=torch.float32)
                                       / self.rope_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (d_r / 2,)
@@ -155,10 +162,10 @@ class MLA(nn.Module):
             return self._forward_megatron(x)
         # Down projections run on this rank's tokens; their outputs are all-gathered along the
         # sequence (SP) before the column-parallel up projections, as in Megatron-Core's MLA.
-        q_in = x if hasattr(self, "wq") else self.q_norm(self.wq_a(x))
+        q_in = x if hasattr(self, "wq") else self._q_norm(self.wq_a(x))
         q_in = all_gather(q_in, self.sp, dim=1)  # (b, s / cp, q_lora_rank or h)
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = all_gather(self.kv_norm(kv), self.sp, dim=1)  # (b, s / cp, kv_lora_rank)
+        kv = all_gather(self._kv_norm(kv), self.sp, dim=1)  # (b, s / cp, kv_lora_rank)
         k_pe = all_gather(k_pe, self.sp, dim=1)  # (b, s / cp, d_r)
         if "mla_up_proj" in self.recompute:  # up projections, RoPE and core attention
             out = checkpoint(self._up_proj_and_attention, q_in, kv, k_pe, use_reentrant=False)
@@ -166,6 +173,13 @@ class MLA(nn.Module):
             out = self._up_proj_and_attention(q_in, kv, k_pe)
         out = self.wo(out)  # (b, s / cp, h), partial sums over TP
         return reduce_scatter(out, self.sp, dim=1)  # (b, s / (cp * sp), h)
+
+    def _q_norm(self, x: Tensor) -> Tensor:
+        """The q latent's norm, or ``x`` itself without latent norms (``mla_latent_norms``)."""
+        return self.q_norm(x) if hasattr(self, "q_norm") else x
+
+    def _kv_norm(self, x: Tensor) -> Tensor:
+        return self.kv_norm(x) if hasattr(self, "kv_norm") else x
 
     def _up_proj_and_attention(self, q_in: Tensor, kv: Tensor, k_pe: Tensor) -> Tensor:
         b, s, _ = q_in.shape
@@ -250,11 +264,12 @@ class MLA(nn.Module):
         k, sp = self.kernels, self.sp
         if hasattr(self, "wq"):
             q = self.wq(q_compressed, "column", sp)
-        else:  # TELayerNormColumnParallelLinear: q_norm fused
-            q = self.wq_b(q_compressed, "column", sp, self.q_norm)
+        else:  # TELayerNormColumnParallelLinear: q_norm fused (TEColumnParallelLinear
+            # without --qk-layernorm: gpt_layer_specs.py, q_layernorm IdentityOp)
+            q = self.wq_b(q_compressed, "column", sp, getattr(self, "q_norm", None))
         b, s, _ = q.shape
         q = q.view(b, s, -1, self.qk_head_dim)  # (b, s / cp, n_local, qk_head_dim)
-        kv = self.wkv_b(kv_compressed, "column", sp, self.kv_norm)
+        kv = self.wkv_b(kv_compressed, "column", sp, getattr(self, "kv_norm", None))
         kv = kv.view(b, s, -1, self.nope_dim + self.v_head_dim)
         q_no_pe, q_pos_emb = q.split([self.nope_dim, self.rope_dim], dim=-1)
         k_no_pe, value = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
