@@ -55,6 +55,12 @@ KERNEL_SOURCES = {
     "_SortChunksBackward": _TE + "permutation.py moe_sort_chunks_by_index",
     "_UnpermuteBackward": _TE + "permutation.py moe_unpermute_mask_map_forward",
     "_GroupedLinearBackward": _TE + "module/grouped_linear.py _GroupedLinear",
+    # FP8 (modeling.kernels.fp8): uint8 data and fp32 / E8M0 scales of the quantised input
+    "_TEFp8LinearBackward": _TE + "module/linear.py _linear_forward_impl / "
+                                  "module/layernorm_linear.py _LayerNormLinear under FP8 "
+                                  "(tensor/*.py quantizers' inner_tensor_specs)",
+    "_Fp8GroupedLinearBackward": _TE + "module/grouped_linear.py _GroupedLinear under FP8 "
+                                       "(csrc/extensions/cast.cpp split_quantize)",
     "_TECrossEntropyBackward": _TE + "cross_entropy.py CrossEntropyFunction",
     "_VocabParallelCrossEntropyBackward": _MC + "tensor_parallel/cross_entropy.py "
                                                 "_VocabParallelCrossEntropy",
@@ -236,8 +242,9 @@ def get_inventory(model: str | ModelConfig, *, world_size: int, micro_batch_size
     return Inventory(cfg.name, profile.name, part, settings, rows)
 
 
-def format_inventory(inventories: list[Inventory]) -> str:
-    """One table per inventory (bytes exact), then the totals side by side."""
+def format_inventory(inventories: list[Inventory], wide: bool = False) -> str:
+    """One table per inventory (bytes exact), then the totals side by side. The default
+    tables fit 100 columns; ``wide`` adds each tensor's source (``KERNEL_SOURCES``)."""
     from tabulate import tabulate
 
     out = []
@@ -247,12 +254,16 @@ def format_inventory(inventories: list[Inventory]) -> str:
                 f"to backward on rank {s['rank']} (TP {s['tp']}{' + SP' if s['sp'] else ''}, "
                 f"CP {s['cp']}, EP {s['ep']}, ETP {s['etp']}, PP {s['pp']}), "
                 f"b={s['micro_batch_size']}, s={s['seq_length']}")
+        rows = [[r.module, ", ".join(r.saved_by) or "-", "x".join(map(str, r.shape)) or "scalar",
+                 r.dtype, f"{r.nbytes:,}"] + ([r.source] if wide else []) for r in inv.rows]
         table = tabulate(
-            [[r.module, ", ".join(r.saved_by) or "-", "x".join(map(str, r.shape)) or "scalar",
-              r.dtype, f"{r.nbytes:,}", r.source] for r in inv.rows],
-            headers=["module", "saved by", "shape", "dtype", "bytes", "source"],
-            disable_numparse=True, colalign=("left", "left", "left", "left", "right", "left"),
-            maxcolwidths=[None, 34, None, None, None, 60])
+            rows, headers=["module", "saved by", "shape", "dtype", "bytes"]
+            + (["source"] if wide else []), disable_numparse=True,
+            colalign=("left", "left", "left", "left", "right") + (("left",) if wide else ()),
+            maxcolwidths=[None, 34, None, None, None, 60] if wide else [32, 26, None, None,
+                                                                        None])
+        if not wide:
+            table += "\n(--wide adds each tensor's source: the kernel whose saving it mirrors)"
         out.append(f"{head}\n\n{table}\n\ntotal: {inv.total_bytes:,} B "
                    f"({inv.total_bytes / 2**30:.3f} GiB = 2^30 B, "
                    f"{inv.total_bytes / 1e9:.3f} GB = 10^9 B)")

@@ -44,6 +44,12 @@ class Linear(nn.Linear):
             declare_module(self, group, bias=group if group.tp_dim == 0 else replicated(
                 group.component, group.kind))
 
+    # Megatron-Core's set_save_original_input (extensions/transformer_engine.py): set on
+    # attention's linear_proj and the shared experts' linear_fc1 (True: recipes other than
+    # delayed), and on the linears after a recomputed norm ("recompute": any FP8 recipe) by
+    # modeling.common.block; the profile honours it under FP8 only
+    save_original_input: bool | str = False
+
     def reset_parameters(self) -> None:
         """Values are not set here; see the module docstring."""
 
@@ -54,7 +60,10 @@ class Linear(nn.Linear):
             weights = [self.weight, *(f.weight for f in fused)]
             biases = [] if skip_bias_add else [m.bias for m in (self, *fused)
                                                if m.bias is not None]
+            # Megatron's set_save_original_input (FP8: keep the bf16 input, not its FP8 copy)
+            extra = ({"save_original_input": self.save_original_input}
+                     if self.save_original_input else {})
             if biases:
-                return self.kernels.linear(x, weights, mode, sp, norm, biases)
-            return self.kernels.linear(x, weights, mode, sp, norm)
+                return self.kernels.linear(x, weights, mode, sp, norm, biases, **extra)
+            return self.kernels.linear(x, weights, mode, sp, norm, **extra)
         return F.linear(x, self.weight, self.bias)

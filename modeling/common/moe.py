@@ -63,7 +63,7 @@ class GroupedExperts(nn.Module):
         fc1 = [self.w1, self.w3] if self.gated else [self.w1]
         if self.kernels is not None and self.kernels.orchestration == "megatron":
             return _megatron_experts(self.kernels, x, probs, fc1, [self.w2],
-                                     self.gated, self.activation, self.recompute_act)
+                                     self.gated, self.activation, self.recompute_act, counts)
         offsets = torch.tensor(_cumsum(counts), dtype=torch.int32, device=x.device)
         if self.recompute_act:  # moe_act: the activation product under CheckpointWithoutOutput
             gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)
@@ -84,7 +84,7 @@ class GroupedExperts(nn.Module):
 
 def _megatron_experts(k: KernelProfile, x: Tensor, probs: Tensor, fc1: list[Tensor],
                       fc2: list[Tensor], gated: bool = True, activation: str = "silu",
-                      recompute_act: bool = False) -> Tensor:
+                      recompute_act: bool = False, counts: list[int] | None = None) -> Tensor:
     """Megatron-Core's ``TEGroupedMLP.forward`` (megatron/core/transformer/moe/experts.py at
     Megatron-LM d98e8a6): grouped fc1 ``(rows, 2 * inter)`` (gated) or ``(rows, inter)``,
     the activation with the probabilities ``probs`` ``(rows, 1)``, grouped fc2 ``(rows, h)``.
@@ -98,18 +98,34 @@ def _megatron_experts(k: KernelProfile, x: Tensor, probs: Tensor, fc1: list[Tens
     ``recompute_act`` (``--recompute-modules moe_act``): ``bias_act_func`` runs under
     ``CheckpointWithoutOutput`` (its inputs, fc1's output and the probabilities, are kept; its
     output, fc2's input ``(rows, inter)``, is freed once fc2 has saved it and recomputed when
-    fc2's output gradient arrives: ``TEGroupedMLP.forward``, ``self.activation_checkpoint``)."""
+    fc2's output gradient arrives: ``TEGroupedMLP.forward``, ``self.activation_checkpoint``).
+
+    Under FP8 (``k.fp8_recipe``) ``counts`` (rows per local expert) reach the grouped linears,
+    which quantise each expert apart, and rows not aligned per expert are padded first
+    (``TEGroupedMLP.forward``: ``quantization_padding``, ``k.fp8_pad``) and the output
+    unpadded last; with ``recompute_act`` fc2 keeps its bf16 input
+    (``set_save_original_input(self.linear_fc2)``)."""
     inter, h = fc2[0].shape[-1], fc2[0].shape[-2]
-    hidden = k.grouped_linear(x, fc1, (2 if gated else 1) * inter)
+    fp8 = getattr(k, "fp8_recipe", "none") != "none" and counts is not None
+    extra = {"counts": counts} if fp8 else {}
+    unpad = None
+    if fp8:
+        x, probs, padded = k.fp8_pad(x, probs, counts)
+        if padded != list(counts):
+            unpad, extra = counts, {"counts": padded}
+    hidden = k.grouped_linear(x, fc1, (2 if gated else 1) * inter, **extra)
     if recompute_act:
         ckpt = CheckpointWithoutOutput()
         act = ckpt.checkpoint(lambda y, p: _weighted_activation(k, y, p, gated, activation),
                               hidden, probs)
         del hidden
-        out = k.grouped_linear(act, fc2, h)
+        out = k.grouped_linear(act, fc2, h, **extra, **(
+            {"save_original_input": True} if fp8 else {}))
         ckpt.discard_output_and_register_recompute(out)
-        return out
-    return k.grouped_linear(_weighted_activation(k, hidden, probs, gated, activation), fc2, h)
+    else:
+        out = k.grouped_linear(_weighted_activation(k, hidden, probs, gated, activation), fc2,
+                               h, **extra)
+    return out if unpad is None else k.fp8_unpad(out, unpad)
 
 
 def _weighted_activation(k: KernelProfile, hidden: Tensor, probs: Tensor, gated: bool,

@@ -17,7 +17,9 @@ The model modules (``modeling.common.attention.mla``, ``mlp``, ``moe``, ``block`
   saves exactly what it saves, and whose backward allocates its gradients and transients; the
   values are never computed (they run on the meta device). Sources: Megatron-LM at commit
   d98e8a6 (2026-08-22) and TransformerEngine at d0067d0 (2.20.0.dev0); each kernel's docstring
-  names the file and function it mirrors. ``docs/kernels.md`` has the table.
+  names the file and function it mirrors. ``docs/kernels.md`` has the table. Under its option
+  ``fp8_recipe`` (Megatron's ``--fp8-recipe``) the TE linears run FP8 (``modeling.kernels.fp8``:
+  the quantised tensors TE allocates per recipe and GPU architecture).
 
 ``get_profile(name, **options)`` returns a profile; ``KERNEL_PROFILES`` names them.
 """

@@ -28,9 +28,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from modeling.kernels import fp8
 from modeling.kernels.wgrad import current_store
 
-__all__ = ["te_permute", "te_sort_chunks", "te_unpermute", "te_grouped_linear",
+__all__ = ["te_permute", "te_sort_chunks", "te_unpermute", "te_grouped_linear", "te_fp8_pad",
            "megatron_permute", "megatron_unpermute", "megatron_sort_chunks", "masked_select"]
 
 
@@ -125,12 +126,108 @@ class _GroupedLinear(torch.autograd.Function):
         return (dgrad, None, None, *wgrads)
 
 
+class _Fp8GroupedLinear(torch.autograd.Function):
+    """``_GroupedLinear`` under an FP8 recipe: TE d0067d0 ``module/grouped_linear.py``
+    ``_GroupedLinear.forward`` / ``backward`` on the split-quantise path (the default:
+    ``use_grouped_tensor`` is off unless ``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=1``).
+    Forward: the input split-quantised per expert (``fp8.split_quantize``; row-wise for the
+    GEMM, column-wise for the wgrad unless ``save_original_input``), the experts' FP8 weights
+    from TE's cached workspaces (static memory), one ``(rows, out)`` output; the inputs are
+    saved column-wise only (``update_usage(rowwise_usage=False, columnwise_usage=True)``).
+    Backward: the output gradient split-quantised with both usages, one ``(rows, in)`` dgrad,
+    weight gradients into ``main_grad`` (or one per weight without fusion); under
+    ``save_original_input`` the saved bf16 input is split-quantised again for the wgrad
+    (per-tensor FP8 with both usages, the others column-wise)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_features: int, fuse_wgrad: bool, recipe: str, arch: str,
+                counts: tuple[int, ...], save_original: bool, *weights: Tensor):
+        ctx.fuse_wgrad, ctx.recipe, ctx.arch, ctx.counts = fuse_wgrad, recipe, arch, counts
+        ctx.save_original = save_original
+        ctx.in_shape = tuple(x.shape)
+        inputs = fp8.split_quantize(x, list(counts), recipe, arch, True, not save_original)
+        out = x.new_empty((x.shape[0], out_features))
+        if save_original:
+            del inputs
+            ctx.layout = None
+            ctx.save_for_backward(x, *weights)
+        else:
+            for q in inputs:
+                q.update_usage(rowwise=False, columnwise=True)
+            ctx.layout = [(q.shape, list(q.parts)) for q in inputs]
+            saved = [t for q in inputs for t in q.tensors]
+            del inputs
+            ctx.num_saved = len(saved)
+            ctx.save_for_backward(*saved, *weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        tensors = list(ctx.saved_tensors)
+        recipe, arch, counts = ctx.recipe, ctx.arch, list(ctx.counts)
+        grads = fp8.split_quantize(grad, counts, recipe, arch, True, True, role="grad")
+        if ctx.save_original:
+            x, *weights = tensors
+        else:
+            weights = tensors[ctx.num_saved:]
+        dgrad = grad.new_empty(ctx.in_shape)
+        if ctx.save_original:
+            per = fp8.per_tensor(recipe)
+            inputs = fp8.split_quantize(x, counts, recipe, arch, per, True)
+            del x
+        else:
+            inputs = tensors[:ctx.num_saved]
+        del tensors
+        store = current_store()
+        if store is not None:
+            flat = [t for q in inputs for t in q.tensors] if ctx.save_original else inputs
+            store.append(((*flat, *[t for q in grads for t in q.tensors]), weights,
+                          ctx.fuse_wgrad))
+            wgrads = [None] * len(weights)
+        else:
+            wgrads = [None if ctx.fuse_wgrad else torch.empty_like(w) for w in weights]
+        del inputs, grads
+        return (dgrad, None, None, None, None, None, None, *wgrads)
+
+
+class _Fp8Padding(torch.autograd.Function):
+    """TE ``module/fp8_padding.py`` ``_Fp8Padding`` / ``fp8_unpadding.py`` ``_Fp8Unpadding``:
+    a new ``(rows_out, h)`` buffer (``fused_multi_row_padding`` / ``_unpadding`` into
+    ``torch.empty``), nothing saved; backward a new ``(rows_in, h)`` gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, rows: int) -> Tensor:
+        ctx.rows = x.shape[0]
+        return x.new_empty((rows, *x.shape[1:]))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.new_empty((ctx.rows, *grad.shape[1:])), None
+
+
+def te_fp8_pad(x: Tensor, rows: int) -> Tensor:
+    """``x`` ``(rows_in, ...)`` copied into ``rows`` rows (padding per expert, or back)."""
+    return _Fp8Padding.apply(x, rows)
+
+
 def te_grouped_linear(x: Tensor, weights: list[Tensor], out_features: int,
-                      fuse_wgrad: bool = True) -> Tensor:
+                      fuse_wgrad: bool = True, fp8_recipe: str = "none",
+                      fp8_arch: str = "sm90", counts: list[int] | None = None,
+                      save_original_input: bool = False) -> Tensor:
     """TE GroupedLinear on ``x`` ``(rows, in)`` sorted by expert; ``weights`` are the local
     experts' weights (any layout: only their gradients' shapes are used); returns
-    ``(rows, out_features)``."""
-    return _GroupedLinear.apply(x, out_features, fuse_wgrad, *weights)
+    ``(rows, out_features)``. Under an FP8 recipe (``fp8_recipe``, ``fp8_arch``:
+    ``modeling.kernels.fp8``) each expert's ``counts`` rows are quantised apart
+    (``_Fp8GroupedLinear``); ``counts`` None: the rows split evenly over the leading
+    dimension of ``weights[0]`` (the local experts), the remainder on the first."""
+    if fp8_recipe == "none":
+        return _GroupedLinear.apply(x, out_features, fuse_wgrad, *weights)
+    if counts is None:
+        n = weights[0].shape[0] if weights[0].dim() == 3 else len(weights)
+        counts = [x.shape[0] // n] * n
+        counts[0] += x.shape[0] - sum(counts)
+    return _Fp8GroupedLinear.apply(x, out_features, fuse_wgrad, fp8_recipe, fp8_arch,
+                                   tuple(counts), save_original_input, *weights)
 
 
 # --- Megatron's unfused token permutation (no --moe-permute-fusion) -------------------------

@@ -173,7 +173,11 @@ def test_profiles_validate_names_and_options():
         "moe_shared_expert_overlap": True, "cross_entropy_fusion": "te",
         "moe_permute_fusion": True, "moe_token_dispatcher": "alltoall",
         "moe_router_dtype": "fp32", "masked_softmax_fusion": True,
-        "cp_comm_type": "allgather", "attention_backend": "fused"}
+        "cp_comm_type": "allgather", "attention_backend": "fused",
+        # FP8 off by default (no GPU given: Hopper's layouts; tests/modeling/kernels/test_fp8.py)
+        "fp8_recipe": "none", "fp8_format": "hybrid", "fp8_param_gather": False,
+        "fp8_arch": "sm90", "fp8_amax_history_len": 1, "fp8_layers_at_start_in_bf16": 0,
+        "fp8_layers_at_end_in_bf16": 0}
     with pytest.raises(TracememError, match="--kernels 'te' is invalid; choose one of "
                                             "megatron-te, torch, eager"):
         get_profile("te")
