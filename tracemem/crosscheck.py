@@ -305,7 +305,10 @@ class ScheduleRow:
     ``param_multiple``: the rank's parameter bytes over a mean stage's (all ranks' parameter
     bytes over the number of chunks they hold); ``inflight``: the most model chunks of
     microbatches the rank's schedule holds at once (``inflight_peak``); ``inflight_at_peak``:
-    those held at the rank's byte peak."""
+    those held at the rank's byte peak; ``recompute``: the recompute the rank was traced
+    under ("none", "full", or "selective" with its modules). Table 2's counts and multiples
+    do not depend on it: recompute changes the bytes of each held microbatch, not how many
+    the schedule holds (DeepSeek-V3 report 3.2.1, 3.3.2; DualPipe README)."""
 
     schedule: str
     rank: int
@@ -319,6 +322,7 @@ class ScheduleRow:
     activation_bytes: int
     peak_bytes: int
     reason: str
+    recompute: str = "none"
 
 
 def schedule_rows(model: str = "deepseek-v3", *, b: int = 1, s: int = 4096,
@@ -327,7 +331,8 @@ def schedule_rows(model: str = "deepseek-v3", *, b: int = 1, s: int = 4096,
     """Every rank of every schedule that takes ``layout`` (vpp 1: 1f1b, zb-h1, dualpipe;
     vpp 2: zbv, dualpipev), traced by ``estimate``, beside the DeepSeek-V3 report's Table 2
     and the zero-bubble paper, with the reason for each difference derived from the ranks'
-    chunks and the schedule's counts. ``options`` go to ``estimate`` (kernels, attention ...).
+    chunks and the schedule's counts. ``options`` go to ``estimate`` (kernels, attention,
+    recompute and recompute_modules: Table 2's rows under recompute, the W steps' too).
 
     Raises:
         TracememError: an invalid layout or a schedule it does not take.
@@ -337,6 +342,9 @@ def schedule_rows(model: str = "deepseek-v3", *, b: int = 1, s: int = 4096,
 
     layout = dict(DEMO_LAYOUT if layout is None else layout)
     vpp = layout.get("vpp", 1)
+    recompute = options.get("recompute", "none")
+    if recompute == "selective":
+        recompute += f" ({' '.join(options.get('recompute_modules', ('core_attn',)))})"
     if schedules is None:
         schedules = ("1f1b", "zb-h1", "dualpipe") if vpp == 1 else ("zbv", "dualpipev")
     rows = []
@@ -377,5 +385,5 @@ def schedule_rows(model: str = "deepseek-v3", *, b: int = 1, s: int = 4096,
             rows.append(ScheduleRow(name, p, r.layers, r.parameter_bytes, round(multiple, 3),
                                     closed.parameter_multiple(name), count, formula,
                                     r.inflight_microbatches, r.activation_bytes, r.peak_bytes,
-                                    "; ".join(reasons)))
+                                    "; ".join(reasons), recompute))
     return rows

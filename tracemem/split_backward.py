@@ -25,8 +25,48 @@ gradient, and runs it later. ``split_backward`` does the same without touching t
 
 So between I and W a microbatch keeps exactly, per Linear, its input and its output gradient.
 
-Not supported: saved tensors of ``torch.utils.checkpoint`` regions (they can be unpacked once);
-``estimate`` rejects recompute with a schedule that has W steps.
+Under recompute, as DualPipe and the zero-bubble fork do it (docs/schedules.md, "What W
+keeps under recompute": DualPipe ``examples/example_dualpipe.py`` ``LinearFunc.backward``;
+sail-sg/zero-bubble-pipeline-parallelism 39f2c18 ``TrainingIteration.schedule_r`` ->
+``RecomputeStore.pop`` -> ``CheckpointFunction.recompute_forward``, then
+``LinearWithGradAccumulationAndAsyncCommunication.backward`` -> ``WeightGradStore.put``):
+the recomputation re-materialises the region's saved tensors during I; the backward of the
+recomputed graph frees each as its node runs, except each Linear's input, which the W
+closure holds with the output gradient until W; nothing else of the recomputation is kept
+from I to W. Per mechanism:
+
+- Megatron's reentrant ``CheckpointFunction`` and ``CheckpointWithoutOutput``
+  (``modeling.common.checkpoint``): the recomputed graph exists only inside the checkpoint's
+  backward, which runs its own ``torch.autograd.backward``. Both call
+  ``modeling.kernels.wgrad.inner_backward``; inside an I step (``split_inner``, entered by
+  ``backward_input``) it is the same split: ``find`` on the recomputed graph, a backward
+  towards the checkpoint's detached inputs and the non-deferred parameters, the recomputed
+  Linears' inputs and output gradients joining this microbatch's W.
+- ``torch.utils.checkpoint`` (non-reentrant, torch 2.13 ``_checkpoint_hook``): the nodes are
+  in the forward's graph, but each saved tensor is a ``_Holder`` that the first unpack in a
+  graph task recomputes (the whole region, once) and that unpacks once per graph task
+  (``unpack_hook``: "already unpacked once"). ``find`` reads no such tensor at forward time;
+  the node's pre-hook, right before the node itself unpacks it in I, unpacks it (recomputing
+  the region then, as the node's unpack would have) and hands the same tensor back to the
+  holder for the node's own unpack (``_peek``), then keeps it until W.
+- A ``CheckpointWithoutOutput`` output that a Linear saved was discarded (0 bytes) and, at
+  d98e8a6, made to point at the recomputed data (``share_storage``); the tracer counts those
+  bytes on the recomputed tensor, which the checkpoint's backward drops. A deferred weight
+  gradient whose layer input is such an output keeps that recomputed tensor until W
+  (``modeling.kernels.wgrad.recomputed_twin``), the TE kernels' store the same
+  (``KernelStore``).
+
+TE kernels' deferred weight gradients (``modeling.kernels.wgrad.delayed_wgrad``) need
+nothing more: the checkpoint's backward runs inside the I step's ``delayed_wgrad`` block.
+
+Output gradients are kept as detached aliases (same storage): the tracer emulates the
+engine's in-place gradient sums by reference counts (``tracemem.tracer``
+``_is_engine_inplace_sum``), which a second Python name for the same tensor object does not
+raise, so holding the engine's own object let a later sum take over a storage W still held.
+
+Known limitations: a Linear whose weight reaches the multiply through anything but views
+(a cast, an FP8 quantisation) is not deferred; ``--zero 3`` with W steps is refused
+(``tracemem.job``).
 """
 
 from __future__ import annotations
@@ -36,8 +76,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
+from torch.utils.checkpoint import GraphExecGroup, _CheckpointFrame, _Handle, _Holder
 
-from modeling.kernels.wgrad import delayed_wgrad, run_delayed_wgrad
+from modeling.kernels.wgrad import (KernelStore, delayed_wgrad, recomputed_twin,
+                                    run_delayed_wgrad, split_inner)
 
 __all__ = ["WeightGradients", "backward_input"]
 
@@ -61,12 +103,17 @@ def _parameter_behind(edge: tuple[Node | None, int], params: set[int]) -> Tensor
 
 @dataclass
 class _Deferred:
-    node: Node
+    # the multiply's weight edge (the view towards the parameter's AccumulateGrad), not the
+    # multiply's own Node, whose edges hold the graph behind it. A kept layer input with a
+    # grad_fn still holds that graph (down to the stage input's AccumulateGrad and tensor),
+    # as a tensor in DualPipe's closure does
+    weight_edge: tuple[Node, int]
     kind: str
     param: Tensor
     layer_input: Tensor | None
     offs: Tensor | None = None
     output_grad: Tensor | None = None
+    twin: Tensor | None = None  # the recomputed data a discarded layer input now holds
 
 
 @dataclass
@@ -75,7 +122,7 @@ class WeightGradients:
 
     deferred: list[_Deferred] = field(default_factory=list)
     handles: list = field(default_factory=list)
-    kernels: list = field(default_factory=list)  # TE kernels' delayed wgrads (kernels.wgrad)
+    kernels: KernelStore = field(default_factory=KernelStore)  # TE kernels' (kernels.wgrad)
 
     @classmethod
     def find(cls, outputs: list[Tensor], params: list[Tensor]) -> WeightGradients:
@@ -98,9 +145,17 @@ class WeightGradients:
             param = _parameter_behind(node.next_functions[edge], ids)
             if param is None:
                 continue
-            entry = _Deferred(node, kind, param, getattr(node, attribute),
-                              node._saved_offs if kind == "GroupedMmBackward0" else None)
-            store.handles.append(node.register_prehook(_keep_output_grad(entry)))
+            entry = _Deferred(node.next_functions[edge], kind, param, None)
+            later = []  # (field, saved tensor) of a torch.utils.checkpoint region: read in I
+            names = [("layer_input", attribute)] + \
+                ([("offs", "_saved_offs")] if kind == "GroupedMmBackward0" else [])
+            for name, saved in names:
+                raw = getattr(node, "_raw" + saved)
+                if isinstance(raw.data, _Holder):
+                    later.append((name, raw))
+                else:
+                    setattr(entry, name, getattr(node, saved))
+            store.handles.append(node.register_prehook(_keep_output_grad(entry, later)))
             store.deferred.append(entry)
         return store
 
@@ -124,16 +179,55 @@ class WeightGradients:
                 grad = torch._grouped_mm(dy.t(), x, offs=entry.offs).transpose(-2, -1)
             else:
                 grad = dy.t().mm(x).t()  # mat2 (in, out) is weight.t(): column-major
-            node, index = entry.node.next_functions[_MATMULS[entry.kind][1]]
+            node, index = entry.weight_edge
             del entry, x, dy
             torch.autograd.backward([GradientEdge(node, index)], [grad])
             del grad
 
 
-def _keep_output_grad(entry: _Deferred):
+def _keep_output_grad(entry: _Deferred, later: list):
     def hook(grad_outputs):
-        entry.output_grad = grad_outputs[0]
+        # a detached alias: the engine may still sum another gradient into this one in place
+        # (the tracer decides by reference counts, which another Python name does not raise)
+        entry.output_grad = None if grad_outputs[0] is None else grad_outputs[0].detach()
+        for name, raw in later:
+            setattr(entry, name, _peek(raw))
+        if entry.layer_input is not None:  # a CheckpointWithoutOutput output, recomputed
+            entry.twin = recomputed_twin(entry.layer_input)
     return hook
+
+
+def _frame(unpack_hook) -> _CheckpointFrame:
+    """The ``_CheckpointFrame`` a ``torch.utils.checkpoint`` unpack hook closes over (torch
+    2.13 ``_checkpoint_hook.__init__``: ``unpack_hook``, or ``unpack_hook_with_error_cb``
+    around it)."""
+    for cell in unpack_hook.__closure__ or ():
+        value = cell.cell_contents
+        if isinstance(value, _CheckpointFrame):
+            return value
+        if callable(value) and getattr(value, "__closure__", None):
+            return _frame(value)
+    raise RuntimeError("torch.utils.checkpoint's unpack hook no longer closes over its "
+                       "_CheckpointFrame (written for torch 2.13): tracemem.split_backward "
+                       "cannot keep a checkpointed Linear input until W")
+
+
+def _peek(raw) -> Tensor:
+    """A saved tensor of a ``torch.utils.checkpoint`` region, unpacked in I and still there
+    for its node's own unpack. torch 2.13 ``_checkpoint_hook.__init__`` ``unpack_hook``: the
+    first unpack in a graph task (``gid``) recomputes the region and files each recomputed
+    tensor under a ``_Handle`` in ``frame.recomputed[gid]``; an unpack hands out the tensor and
+    clears ``holder.handles[gid]``. The tensor is filed again under a new handle: the node's
+    unpack then gets this same tensor (no second recomputation, no copy)."""
+    holder = raw.data
+    gid = GraphExecGroup._get_current_group()
+    if gid is None:
+        gid = torch._C._current_graph_task_id()
+    value = raw.unpack()
+    handle = _Handle()
+    holder.handles[gid] = handle
+    _frame(raw.unpack_hook).recomputed[gid][handle] = value
+    return value
 
 
 def backward_input(outputs: list[Tensor], grads: list[Tensor | None], inputs: list[Tensor],
@@ -141,14 +235,28 @@ def backward_input(outputs: list[Tensor], grads: list[Tensor | None], inputs: li
     """I: the backward of ``outputs`` (with ``grads``; None for a loss) towards ``inputs``
     (stage inputs that require grad) and every parameter in ``params`` except the deferred
     ones; returns the deferred weight gradients (call ``run()`` for W)."""
-    store = WeightGradients.find(outputs, params)
+    store = WeightGradients()
+    with delayed_wgrad(store.kernels):  # TE kernels defer theirs (delay_wgrad_compute)
+        # reentrant checkpoints' own backwards (kernels.wgrad.inner_backward) split the same way
+        with split_inner(lambda o, g, i: _split(store, o, g, i, params)):
+            _split(store, outputs, grads, inputs, params)
+    return store
+
+
+def _split(store: WeightGradients, outputs: list[Tensor], grads: list[Tensor | None],
+           inputs: list[Tensor], params: list[Tensor]) -> None:
+    """The backward of ``outputs`` towards ``inputs`` and the parameters not deferred, the
+    multiplies it reaches deferred into ``store``."""
+    found = WeightGradients.find(outputs, params)
+    store.deferred += found.deferred
+    store.handles += found.handles
     deferred = {id(p) for p in store.params}
     targets = [t for t in inputs if t.requires_grad] + \
         [p for p in params if p.requires_grad and id(p) not in deferred]
-    grads = [torch.ones_like(o) if g is None else g for o, g in zip(outputs, grads)]
-    if targets:
-        with delayed_wgrad(store.kernels):  # TE kernels defer theirs (delay_wgrad_compute)
-            torch.autograd.Variable._execution_engine.run_backward(
-                tuple(outputs), tuple(grads), keep_graph=False, create_graph=False,
-                inputs=tuple(targets), allow_unreachable=True, accumulate_grad=True)
-    return store
+    pairs = [(o, torch.ones_like(o) if g is None else g) for o, g in zip(outputs, grads)
+             if o.requires_grad]
+    if targets and pairs:
+        torch.autograd.Variable._execution_engine.run_backward(
+            tuple(o for o, _ in pairs), tuple(g for _, g in pairs), keep_graph=False,
+            create_graph=False, inputs=tuple(targets), allow_unreachable=True,
+            accumulate_grad=True)

@@ -29,7 +29,10 @@ the tracer (Megatron-LM d98e8a6, megatron/core/tensor_parallel/random.py):
   recomputed output is still held, one output more during that backward.
 
 The tracer cannot see ``untyped_storage().resize_`` (it runs below the dispatcher): it is told
-(``MemoryTracer.storage_resized``) when a storage is discarded. Known limitation: the RNG
+(``MemoryTracer.storage_resized``) when a storage is discarded. Under a split backward
+(zero-bubble and DualPipe I steps) both backwards go through
+``modeling.kernels.wgrad.inner_backward``, so the recomputed graph's Linear weight gradients
+are deferred to W like the rest (``tracemem.split_backward``). Known limitation: the RNG
 states both mechanisms stash (``_get_all_rng_states``: CPU and CUDA generator states, a few
 bytes of host memory) are not modelled.
 """
@@ -43,6 +46,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from modeling.kernels.wgrad import inner_backward, share_storage
 from tracemem.tracer import MemoryTracer
 
 __all__ = ["megatron_checkpoint", "CheckpointWithoutOutput"]
@@ -124,7 +128,8 @@ class _CheckpointFunction(torch.autograd.Function):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads)
                  if isinstance(o, Tensor) and o.requires_grad]
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        # torch.autograd.backward(outputs, grads), or an I step's split of it
+        inner_backward([o for o, _ in pairs], [g for _, g in pairs], detached)
         it = iter(detached)
         return (None, None) + tuple(next(it).grad if a is _SLOT else None for a in ctx.args)
 
@@ -162,7 +167,7 @@ class _CheckpointWithoutOutputFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         inputs, outputs = ctx.inputs, ctx.outputs
-        torch.autograd.backward(outputs, grads)
+        inner_backward(outputs, grads, inputs)  # torch.autograd.backward, or an I step
         ctx.outputs = ctx.inputs = None
         it = iter(inputs)
         return (None, None) + tuple(next(it).grad if a is _SLOT else None for a in ctx.args)
@@ -210,5 +215,7 @@ class CheckpointWithoutOutput:
         # d98e8a6 share_storage: each discarded output now aliases its recomputed twin (no
         # bytes allocated for it); the twin lives while ctx.outputs holds it, until this
         # checkpoint's backward has run, which is after every consumer of the output
+        for output, twin in zip(self.outputs, outputs):
+            share_storage(output, twin)  # recorded for deferred weight gradients (W)
         ctx.outputs, ctx.inputs = outputs, inputs
         self.run_function = self.outputs = self.ctx = None

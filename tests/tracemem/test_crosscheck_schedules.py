@@ -37,3 +37,22 @@ def test_v_schedules_beside_their_closed_forms():
     assert [(r.schedule, r.inflight, r.inflight_formula) for r in rows] == [
         ("zbv", 4, 4), ("zbv", 4, 4), ("dualpipev", 5, 5), ("dualpipev", 5, 5)]
     assert rows[0].layers == [0, 3] and "the embedding and the head" in rows[0].reason
+
+
+def test_dualpipe_beside_table_2_under_recompute():
+    # issue 28: Table 2's DualPipe row (2x parameters, PP + 1 = 3 microbatch-stages) holds
+    # under recompute too: recompute changes the bytes of a held microbatch, not the count
+    # (DeepSeek-V3 report 3.2.1 and 3.3.2); full recompute keeps fewer activation bytes at
+    # the peak than none (each layer keeps its input only, until B)
+    rows = {}
+    for recompute, modules in (("none", None), ("full", None),
+                               ("selective", ("layernorm", "mla_up_proj"))):
+        extra = {} if modules is None else {"recompute_modules": modules}
+        rows[recompute] = schedule_rows("deepseek-tiny", b=2, s=64, num_microbatches=4,
+                                        layout=TINY, experts="sequential",
+                                        schedules=("dualpipe",), recompute=recompute, **extra)
+    for recompute, ranks in rows.items():
+        assert [(r.inflight, r.inflight_formula, r.param_multiple, r.param_formula)
+                for r in ranks] == [(3, 3, 2.0, 2), (3, 3, 2.0, 2)], recompute
+    assert rows["selective"][0].recompute == "selective (layernorm mla_up_proj)"
+    assert rows["full"][0].activation_bytes < rows["none"][0].activation_bytes

@@ -43,10 +43,14 @@ def test_zb_h1_peaks_at_an_input_gradient_step():
     assert all(r.peak_step[1] in "FIW" for r in result.ranks)
 
 
-def test_w_steps_with_recompute_are_rejected():
+def test_w_steps_with_recompute_are_traced_and_with_zero_3_rejected():
+    # issue 28: the split backward runs under every recompute mechanism
+    # (tests/tracemem/test_split_backward.py); ZeRO-3 with W steps stays refused
+    estimate("deepseek-tiny", pp=2, vpp=2, pp_layout=(1, 1, 1, 1), schedule="zbv",
+             recompute="full", **TINY)
     with pytest.raises(TracememError, match="--schedule zbv defers weight gradients"):
         estimate("deepseek-tiny", pp=2, vpp=2, pp_layout=(1, 1, 1, 1), schedule="zbv",
-                 recompute="full", **TINY)
+                 zero=3, **TINY)
 
 
 def test_dualpipe_doubles_a_middle_stages_static_memory_on_the_paper_layout(capsys):
