@@ -2,9 +2,10 @@
 # with torch pinned (constraints.txt) before running. `make demo` installs the runtime
 # dependencies only; `make test` (and validate, bench) adds the extras: test (pytest,
 # hypothesis), megatron (megatron-core, for validate --against megatron-core) and ray (fit
-# --engine ray). On a machine without a CPU wheel of torch nearby, PyPI's torch is a multi-GB
-# CUDA build: give pip PyTorch's CPU index, PIP_EXTRA_INDEX_URL=https://download.pytorch.org/
-# whl/cpu make demo (README, "Install").
+# --engine ray), and torchtitan 0.3.0 with what it imports (requirements-torchtitan.txt,
+# --no-deps: the torchtitan front door). On a machine without a CPU wheel of torch nearby,
+# PyPI's torch is a multi-GB CUDA build: give pip PyTorch's CPU index,
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make demo (README, "Install").
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -20,8 +21,9 @@ $(RUNTIME): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
 	touch $(RUNTIME)
 
-$(EXTRAS): $(RUNTIME)
+$(EXTRAS): $(RUNTIME) requirements-torchtitan.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,megatron,ray]'
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements-torchtitan.txt
 	touch $(EXTRAS)
 
 # The main job: DeepSeek-V3 on 1024 GPUs (TP 2 + SP, PP 16, EP 8), b=1, s=4096, 16 microbatches,

@@ -32,7 +32,17 @@ the precision-aware-optimizer group; megatron/core/optimizer/optimizer_config.py
   set, it is the megatron-te kernels' option, and under eager / torch ``tracemem.estimate``
   drops the weight gradients from the trace.
 
-Parameters are bf16 in every recipe (2 B).
+Parameters are bf16 (2 B) in every recipe but ``fsdp2``. ``fsdp2`` is torchtitan's FSDP2 mixed
+precision (torchtitan 0.3.0 ``torchtitan/distributed/fsdp.py`` ``apply_fsdp_to_decoder``:
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, from
+``training.mixed_precision_param`` / ``mixed_precision_reduce``, ``torchtitan/config/configs.py``
+``TrainingConfig``; the model is built in ``training.dtype`` float32): ``fully_shard`` keeps each
+parameter as an fp32 sharded DTensor, its gradient is reduce-scattered in fp32 into the sharded
+``.grad``, and AdamW steps those fp32 shards with two fp32 moments: 4 + 4 + 8 = 16 B per sharded
+parameter, no separate master weights (``params_dtype`` fp32, ``master_weights`` False). The bf16
+copies exist only while a unit is gathered (torch 2.13
+``torch/distributed/fsdp/_fully_shard/_fsdp_param.py`` ``FSDPParam.init_unsharded_param``: the
+all-gather output in ``param_dtype``): ``gathered_param_bytes``, 2 B in every recipe.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from dataclasses import dataclass, fields, replace
 from tracemem.errors import TracememError
 
 __all__ = ["Precision", "PRECISION_RECIPES", "PRECISION_FLAGS", "DTYPE_CHOICES", "DTYPE_BYTES",
-           "resolve_precision"]
+           "FSDP2_RECIPES", "resolve_precision"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 DTYPE_CHOICES = {
@@ -78,9 +88,20 @@ class Precision:
     grad_reduce_in_bf16: bool = False
     store_param_remainders: bool = True
     gradient_accumulation_fusion: bool | None = None
+    params_dtype: str = "bf16"  # the parameters as the rank keeps them (sharded under FSDP2)
+    master_weights: bool = True  # the optimizer keeps its own fp32 copy (False: fsdp2)
     source: str = ""
 
-    param_bytes = 2
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per element of the parameters as kept (fp32 shards under ``fsdp2``)."""
+        return DTYPE_BYTES[self.params_dtype]
+
+    @property
+    def gathered_param_bytes(self) -> int:
+        """Bytes per element of a parameter as the forward and backward use it: bf16 (the
+        model's parameters, or FSDP2's all-gathered ``param_dtype`` copies)."""
+        return 2
 
     @property
     def grad_bytes(self) -> int:
@@ -95,6 +116,8 @@ class Precision:
 
     @property
     def master_bytes(self) -> int:
+        if not self.master_weights:
+            return 0  # fsdp2: AdamW steps the fp32 parameters themselves
         if not self.use_precision_aware_optimizer:
             return 4  # Megatron's own fp32 main params (distrib_optimizer.py)
         return 2 if self.remainders else DTYPE_BYTES[self.main_params_dtype]
@@ -107,7 +130,8 @@ class Precision:
     def as_dict(self) -> dict:
         """The fields and the bytes per parameter, for JSON."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "source"}
-        out.update(param_bytes=self.param_bytes, grad_bytes=self.grad_bytes,
+        out.update(param_bytes=self.param_bytes,
+                   gathered_param_bytes=self.gathered_param_bytes, grad_bytes=self.grad_bytes,
                    master_bytes=self.master_bytes, optimizer_bytes=self.optimizer_bytes)
         return out
 
@@ -129,7 +153,16 @@ PRECISION_RECIPES = {
         source="DeepSeek-V3 technical report (arXiv 2412.19437) section 3.3.3: bf16 "
                "parameters, fp32 master weights and gradients, bf16 AdamW moments: "
                "2 + 4 + (4 + 2 + 2) B"),
+    "fsdp2": Precision(
+        "fsdp2", params_dtype="fp32", master_weights=False,
+        source="torchtitan 0.3.0 torchtitan/distributed/fsdp.py apply_fsdp_to_decoder: "
+               "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 "
+               "parameters: fp32 sharded parameters 4 B, fp32 sharded gradients 4 B, AdamW "
+               "m, v 8 B: 16 B per sharded parameter; bf16 unsharded copies only while "
+               "gathered"),
 }
+# recipes that are FSDP2's own (ZeRO-3 only; Megatron's precision flags do not apply)
+FSDP2_RECIPES = ("fsdp2",)
 
 
 def resolve_precision(recipe: str, zero: int, **overrides) -> Precision:
@@ -157,6 +190,14 @@ def resolve_precision(recipe: str, zero: int, **overrides) -> Precision:
             raise TracememError(f"{_flag(name)} {value!r} is invalid; choose one of "
                                 f"{', '.join(DTYPE_CHOICES[name])}")
     chosen = {k: v for k, v in overrides.items() if v is not None}
+    if recipe in FSDP2_RECIPES:
+        if zero != 3:
+            raise TracememError(f"--precision {recipe} is FSDP2's mixed precision (fp32 "
+                                f"sharded parameters); use --zero 3")
+        if chosen:
+            name = sorted(chosen)[0]
+            raise TracememError(f"{_flag(name)} is a Megatron-LM precision flag; it does not "
+                                f"apply to --precision {recipe} (FSDP2's MixedPrecisionPolicy)")
     spec = replace(PRECISION_RECIPES[recipe], **chosen)
     if not spec.use_precision_aware_optimizer:
         for name in DTYPE_CHOICES:

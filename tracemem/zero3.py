@@ -25,6 +25,9 @@ Rules, each from torch 2.13's FSDP2 (``torch/distributed/fsdp/_fully_shard/``):
   them immediately"): the head stays gathered from its forward, through the loss, to its
   backward. Which units do is declared where they are made (``declare_fsdp_unit(...,
   reshard_after_forward=False)``); ``Zero3Gathers(keep_after_forward=...)`` overrides the set.
+- A parameter of two units (a tied embedding and head) belongs to the first that runs, which
+  then stays gathered from its forward to the end of backward: torchtitan's one unit of
+  ``[tok_embeddings, norm, lm_head]`` with weight tying (``Zero3Gathers.install``).
 - ``FSDPState._post_forward`` / ``_register_pre_backward_hook``: a hook on the forward output's
   gradient unshards again before the unit's backward (``FSDPParamGroup.pre_backward``).
 - ``FSDPParamGroup._register_post_backward_hook`` (``RegisterPostBackwardFunction`` on inputs
@@ -35,6 +38,21 @@ Rules, each from torch 2.13's FSDP2 (``torch/distributed/fsdp/_fully_shard/``):
   unit that ran before it in forward (``post_forward_order[index - 1]``) is all-gathered too;
   ``prefetch=False`` turns it off. Explicit forward prefetch
   (``set_modules_to_forward_prefetch``) is not modelled.
+
+Pipeline parallelism with torchtitan's FSDP2 (``pp_keeps_gathered``: ZeRO-3, PP > 1 and the
+``fsdp2`` precision recipe): no unit is resharded during the step, so there are no per-unit
+gathers to trace; the stage's bf16 unsharded parameters and its fp32 unsharded gradient
+accumulators are held from the first microbatch to the last (``pp_resident_bytes``, static
+memory). Sources: torchtitan 0.3.0 ``torchtitan/distributed/fsdp.py``
+``get_fsdp_reshard_after_forward_policy`` ("default" is ``not pp_enabled``: "For PP, by default
+do not reshard after forward to avoid per-microbatch all-gathers"); torch 2.13
+``torch/distributed/pipelining/stage.py`` ``backward_maybe_with_nosync``: every microbatch but
+the last runs ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)``,
+and ``_fsdp_param.py`` ``FSDPParam.to_accumulated_grad_if_needed`` keeps the unsharded gradient
+in ``reduce_dtype`` (fp32) as ``unsharded_accumulated_grad`` until the last microbatch's
+reduce-scatter (``accumulate_unsharded_grad_if_needed`` adds each later one into it).
+Approximation: both are held through the optimizer step too (they are freed at the end of the
+last backward), which overstates the step's peak, not the backward's.
 
 Not modelled: FSDP2's per-parameter padding of dim 0 to a multiple of the group size, the
 all-gather output buffer that exists alongside the unsharded parameters during copy-out, and
@@ -51,7 +69,28 @@ from modeling.parallel.groups import is_fsdp_unit, reshards_after_forward
 from tracemem.categories import Category
 from tracemem.tracer import MemoryTracer
 
-__all__ = ["zero3_units", "Zero3Gathers"]
+__all__ = ["zero3_units", "Zero3Gathers", "pp_keeps_gathered", "pp_resident_bytes"]
+
+# FSDP2's reduce_dtype under torchtitan (training.mixed_precision_reduce: only float32)
+REDUCE_BYTES = 4
+
+
+def pp_keeps_gathered(par) -> bool:
+    """Whether ``par`` (a ``ParallelConfig``) is torchtitan's PP with FSDP2: ZeRO-3, PP > 1,
+    precision ``fsdp2``, where every unit of a stage stays gathered through the step (module
+    docstring)."""
+    from tracemem.precision import FSDP2_RECIPES
+
+    return par.zero == 3 and par.pp > 1 and par.precision in FSDP2_RECIPES
+
+
+def pp_resident_bytes(model: nn.Module, recipe) -> tuple[int, int]:
+    """``(gathered, accumulated)``: the bytes a stage holds through the step under
+    ``pp_keeps_gathered`` (module docstring): every parameter of the rank's model (its TP / EP
+    shard, all FSDP units and the root) unsharded at ``recipe.gathered_param_bytes`` (bf16), and
+    its unsharded gradient accumulator at ``REDUCE_BYTES`` (fp32) per element."""
+    numel = sum(p.numel() for p in model.parameters())
+    return recipe.gathered_param_bytes * numel, REDUCE_BYTES * numel
 
 
 def zero3_units(model: nn.Module) -> dict[str, nn.Module]:
@@ -120,7 +159,21 @@ class Zero3Gathers:
         self._handles: list = []
 
     def install(self, model: nn.Module) -> Zero3Gathers:
-        for name, params in unit_params(model).items():
+        units = unit_params(model)
+        # a parameter of two units (a tied head and embedding) is one FSDP2 unit, gathered
+        # with the first that runs and held from its forward to the end of backward, as
+        # torchtitan wraps them (torchtitan 0.3.0 torchtitan/distributed/fsdp.py
+        # apply_fsdp_to_decoder: with enable_weight_tying, fully_shard([tok_embeddings, norm,
+        # lm_head], reshard_after_forward=policy == "always"), "to avoid duplicate
+        # all-gathers"); the later units gather only their other parameters
+        owner: dict[int, str] = {}
+        for name, params in units.items():
+            for p in params:
+                owner.setdefault(id(p), name)
+        tied = {owner[id(p)] for name, params in units.items() for p in params
+                if owner[id(p)] != name}
+        for name, params in units.items():
+            params = [p for p in params if owner[id(p)] == name]
             dtypes = {p.dtype for p in params}
             if len(dtypes) == 1:
                 self._sizes[name] = (sum(p.numel() for p in params), dtypes.pop())
@@ -132,6 +185,7 @@ class Zero3Gathers:
             self.keep_after_forward = frozenset(
                 name for name, unit in zero3_units(model).items()
                 if name and not reshards_after_forward(unit))
+        self.keep_after_forward = frozenset(self.keep_after_forward) | tied
         for name, unit in zero3_units(model).items():
             self._handles.append(unit.register_forward_pre_hook(
                 lambda m, args, kwargs, name=name: self._pre_forward(name, args, kwargs),

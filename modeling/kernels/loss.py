@@ -17,6 +17,9 @@
   TP > 1, its all-gathered copy ``(3 * b * s * TP,)``.
 - megatron-te, ``cross_entropy_fusion`` "native" and "none": Megatron-Core's own vocab-parallel
   cross entropy (``megatron_cross_entropy``), fused by ``torch.compile`` or not.
+- torch, ``loss_chunks`` N > 0: torchtitan's ``ChunkedLossWrapper`` (``chunked_cross_entropy``):
+  the head and the loss per sequence chunk, each chunk's backward run at once, inside the
+  forward.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["eager_cross_entropy", "te_cross_entropy", "megatron_cross_entropy",
+           "chunked_cross_entropy",
            "TE_CROSS_ENTROPY_VERSIONS", "CROSS_ENTROPY_FUSIONS"]
 
 TE_CROSS_ENTROPY_VERSIONS = ("2.18", "2.17")
@@ -209,3 +213,78 @@ def megatron_cross_entropy(logits: Tensor, labels: Tensor, tp: int = 1, fusion: 
             else _VocabParallelCrossEntropy
         loss = function.apply(logits, target)  # [s, b] fp32
     return loss.transpose(0, 1).contiguous().mean()  # [b, s]
+
+
+class _DecoderOutputGradientBackProp(torch.autograd.Function):
+    """torchtitan 0.3.0 ``torchtitan/components/loss.py`` ``_DecoderOutputGradientBackProp``:
+    keeps the accumulated hidden-state gradient (``ctx.save_for_backward``) and returns it
+    as the hidden states' gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, grad: Tensor, loss: Tensor) -> Tensor:
+        ctx.save_for_backward(grad)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad, None, None
+
+
+def chunked_cross_entropy(hidden: Tensor, labels: Tensor, head, loss, num_chunks: int
+                          ) -> Tensor:
+    """torchtitan 0.3.0's ``ChunkedLossWrapper.__call__`` (``torchtitan/components/loss.py``)
+    on the final norm's output ``hidden`` ``(b, s, h)`` and ``labels`` ``(b, s)``: ``head``
+    (a callable, ``(b, s / N, h)`` -> ``(b, s / N, V / TP)``) and ``loss`` (logits, labels
+    -> scalar) per sequence chunk, op for op:
+
+    - ``_chunk_local``: ``torch.split`` along the sequence into N equal chunks, each
+      ``.contiguous()`` (a copy when b > 1; with b = 1 a chunk is already contiguous, a view),
+      the hidden ones ``detach().requires_grad_()``; the labels likewise. All chunks live
+      until the call returns.
+    - ``GradAccumulator``: ``torch.zeros_like(hidden, dtype=float32)``, the fp32 gradient
+      accumulator ``(b, s, h)``; ``add`` casts each chunk's gradient to fp32 (a temporary
+      ``(b, s / N, h)``) and writes it into its slice.
+    - per chunk: ``logits = head(chunk)``, ``chunk_loss = loss(logits, labels)``, at once
+      ``chunk_loss.backward()`` (the head's weight gradient accumulates; the chunk's graph is
+      freed), ``chunk.grad`` into the accumulator, then ``chunk.grad = None``. The names
+      ``logits`` and ``chunk_loss`` hold chunk i's tensors until chunk i + 1 rebinds them, so
+      chunk i's bf16 logits are alive while chunk i + 1's head runs, as in torchtitan.
+    - ``accumulated_grad = result().to(hidden.dtype)``: a bf16 copy, kept by
+      ``_DecoderOutputGradientBackProp`` until backward; the fp32 accumulator goes with the
+      call.
+
+    Returns the summed chunk losses (fp32 scalar) whose backward hands the accumulated
+    gradient to ``hidden``. Without grad (``hidden.requires_grad`` False) no backward, no
+    accumulator.
+
+    Raises:
+        TracememError: s not divisible by N (torchtitan's ``torch._check``).
+    """
+    from tracemem.errors import TracememError
+
+    seq = hidden.shape[1]
+    if seq % num_chunks:
+        raise TracememError(f"--loss.num_chunks {num_chunks} must divide the sequence length "
+                            f"{seq} the loss sees (torchtitan's ChunkedLossWrapper: "
+                            f"\"sequence length must be divisible by num_chunks\")")
+    n = seq // num_chunks
+    requires_grad = hidden.requires_grad
+    h_chunks = [c.contiguous().detach().requires_grad_(requires_grad)
+                for c in torch.split(hidden, [n] * num_chunks, dim=1)]
+    label_chunks = [c.contiguous() for c in torch.split(labels, [n] * num_chunks, dim=1)]
+    accumulator = torch.zeros_like(hidden, dtype=torch.float32) if requires_grad else None
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i, (h_chunk, label_chunk) in enumerate(zip(h_chunks, label_chunks)):
+        logits = head(h_chunk)
+        chunk_loss = loss(logits, label_chunk)
+        total = total + chunk_loss.detach()
+        if requires_grad:
+            chunk_loss.backward()
+            accumulator[:, i * n:(i + 1) * n] = h_chunk.grad.to(torch.float32)
+            h_chunk.grad = None
+    if not requires_grad:
+        return total
+    accumulated = accumulator.to(hidden.dtype)
+    del accumulator, logits, chunk_loss, h_chunks, label_chunks
+    return _DecoderOutputGradientBackProp.apply(hidden, accumulated, total)

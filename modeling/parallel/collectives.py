@@ -12,9 +12,11 @@ internal buffers are below the dispatcher and not counted.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from tracemem.categories import Category
 from tracemem.tracer import MemoryTracer
@@ -22,10 +24,27 @@ from tracemem.tracer import MemoryTracer
 __all__ = ["all_gather", "reduce_scatter", "all_to_all"]
 
 
+# the collective whose stand-in ops run now: modeling.common.sac's op policy saves the
+# outputs of a forward reduce-scatter's and all-to-all's, as torchtitan's SelectiveAC saves
+# reduce_scatter_tensor and all_to_all_single
+RUNNING: list[str] = []
+
+
+@contextmanager
+def _running(name: str):
+    RUNNING.append(name)
+    try:
+        yield
+    finally:
+        RUNNING.pop()
+
+
 def _comm(t: Tensor) -> Tensor:
-    mode = _get_current_dispatch_mode()
-    if isinstance(mode, MemoryTracer):
-        mode.tag(t, Category.COMM_BUFFER)
+    # the tracer may sit below another mode (selective checkpointing's caching mode)
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, MemoryTracer):
+            mode.tag(t, Category.COMM_BUFFER)
+            break
     return t
 
 
@@ -52,7 +71,8 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, world: int, dim: int) -> Tensor:
         ctx.world, ctx.dim = world, dim
-        return _scatter(x, world, dim)
+        with _running("reduce_scatter"):
+            return _scatter(x, world, dim)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -63,7 +83,8 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, rows_out: int) -> Tensor:
         ctx.rows_in = x.shape[0]
-        return _comm(x.new_empty((rows_out, *x.shape[1:])))
+        with _running("all_to_all"):
+            return _comm(x.new_empty((rows_out, *x.shape[1:])))
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -263,7 +263,7 @@ def _block(**kw):
      r"megatron-te"),
     (dict(), ("selective", frozenset({"gdn_norm_out"})),
      r"^--recompute-modules gdn_norm_out is invalid; choose from core_attn, mla_up_proj, "
-     r"layernorm, mlp, moe, moe_act, shared_experts$"),
+     r"layernorm, mlp, moe, moe_act, shared_experts, op$"),
 ])
 def test_refused_recompute(kw, args, message):
     block = _block(**kw)
