@@ -31,6 +31,17 @@ What Megatron-Core's distributed optimizer holds and allocates (NVIDIA/Megatron-
   device over this rank's fp32 master shards (torch/optim/adam.py ``_multi_tensor_adam``:
   ``torch._foreach_sqrt`` of the second moments makes a full temporary copy of them).
 
+- ``--optimizer-cpu-offload`` (``offload``: ``tracemem.offload``): Megatron's
+  ``HybridDeviceOptimizer``. With bf16 main grads each device parameter's new fp32 gradient
+  copy (``fp32_param.grad = grad.to(fp32)``) is made while the previous step's, static memory
+  (``tracemem.offload.offload_static``), is still held, one parameter at a time; then, one host
+  parameter at a time, the bf16 gradient's fp32 conversion on the device before its copy to
+  the host
+  (``copy_(grad, non_blocking=True)``); TE's FusedAdam over the device part allocates nothing;
+  after the host step, one host parameter at a time, the fp32 device temporary through which
+  ``gpu_param.data.copy_(param.data, non_blocking=True)`` converts the host master into the bf16
+  parameter (PyTorch's Copy.cu ``copy_kernel_cuda``).
+
 Not counted: NCCL's own buffers, gradient-norm and clipping scalars.
 """
 
@@ -66,11 +77,13 @@ def check_optimizer(optimizer: str, par) -> None:
                             "(that is TE's FusedAdam); use --optimizer fused")
 
 
-def trace_optimizer_step(model: nn.Module, par, tracer, optimizer: str = "fused") -> None:
+def trace_optimizer_step(model: nn.Module, par, tracer, optimizer: str = "fused",
+                         offload=None) -> None:
     """Run, under ``tracer`` (a ``MemoryTracer``), the allocations of this rank's optimizer
     step for ``model`` (the rank's ``build_rank`` modules) under ``par`` (its ZeRO stage and
-    precision), as the module docstring describes. Every tensor made here is freed by the
-    end; what the step's peak holds is in the tracer's events.
+    precision), as the module docstring describes; ``offload`` (a
+    ``tracemem.offload.OptimizerOffload``, or None) its optimizer CPU offload. Every tensor
+    made here is freed by the end; what the step's peak holds is in the tracer's events.
 
     Raises:
         TracememError: see ``check_optimizer``.
@@ -78,6 +91,9 @@ def trace_optimizer_step(model: nn.Module, par, tracer, optimizer: str = "fused"
     check_optimizer(optimizer, par)
     spec = par.precision_spec
     meta = torch.device("meta")
+    if offload is not None:
+        _offload_step(model, par, tracer, offload)
+        return
     adam = None
     if optimizer == "torch":
         masters = [nn.Parameter(torch.empty(n, dtype=torch.float32, device=meta))
@@ -96,3 +112,28 @@ def trace_optimizer_step(model: nn.Module, par, tracer, optimizer: str = "fused"
         if adam is not None:
             adam.step()
         del copies
+
+
+def _offload_step(model: nn.Module, par, tracer, offload) -> None:
+    """The device allocations of ``HybridDeviceOptimizer.step`` (module docstring)."""
+    from tracemem.offload import hdo_parameters, offload_split
+
+    split = offload_split(hdo_parameters(model, par), offload.fraction)
+    meta = torch.device("meta")
+    bf16_grads = par.precision_spec.grad_bytes == 2
+    with tracer:
+        if bf16_grads:
+            # _set_sub_optimizer_grads: fp32_param.grad = grad.to(fp32), the new copy made
+            # before the assignment frees the previous step's (held in static memory)
+            for n in split.device:
+                replaced = torch.empty(n, dtype=torch.float32, device=meta)
+                del replaced
+            # the D2H copies: each bf16 grad converted on the device first
+            for n in split.host:
+                converted = torch.empty(n, dtype=torch.float32, device=meta)
+                del converted
+        # gpu_optimizer.step (TE FusedAdam: in place), then the host steps, each followed by
+        # param_copy_back_gpu_hook: the fp32 host master through an fp32 device temporary
+        for n in split.host:
+            staged = torch.empty(n, dtype=torch.float32, device=meta)
+            del staged
