@@ -14,6 +14,15 @@ The changes tried, each on its own, at most seven (a bounded search, about one e
   ``suggest_layout``).
 A change the validator rejects (EP not dividing the experts, a world size that is no longer a
 multiple) is reported as skipped with the validator's own message.
+
+A change that raises the worst peak says why in its note, from the two estimates: selective
+recompute can (``selective_note``), on a grouped-query or multi-head attention under Megatron
+orchestration: its checkpoint keeps core attention's inputs for the recompute, and the value
+is a strided slice of ``linear_qkv``'s fused output (Megatron-LM d98e8a6
+megatron/core/transformer/attention.py ``SelfAttention.get_query_key_value_tensors``,
+``torch.split``), so that whole output, queries, keys and values, stays alive, where
+without recompute TE's fused attention keeps a contiguous copy of the value and the output
+is freed (``modeling.common.attention.gqa``, ``_forward_megatron``).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from typing import Any
 
 from tracemem.errors import TracememError
 
-__all__ = ["FitCandidate", "what_fits"]
+__all__ = ["FitCandidate", "what_fits", "selective_note"]
 
 @dataclass(frozen=True)
 class FitCandidate:
@@ -115,6 +124,28 @@ def _candidates(job) -> list[tuple[str, dict[str, Any], str, str | None]]:
     return out
 
 
+def selective_note(base, result) -> str:
+    """Why ``--recompute selective`` (``result``) has a higher worst peak than ``base`` (none),
+    in one line with the activations of the two worst stages, or "" when it is not higher."""
+    from tracemem.report import _size_label, pick_units
+
+    before, after = base.worst, result.worst
+    if after.peak_bytes <= before.peak_bytes:
+        return ""
+    same = next((r for r in base.ranks if r.pp_stage == after.pp_stage
+                 and r.ep_rank == after.ep_rank), before)
+    units = pick_units(after.peak_bytes)
+    more = _size_label(after.activation_bytes - same.activation_bytes, units)
+    line = (f"--recompute selective raises the peak: activations {more} more at stage "
+            f"{after.pp_stage}; its checkpoint keeps core attention's inputs for the recompute")
+    cfg, profile = base.job.config, base.job.profile
+    if not cfg.is_mla and profile.orchestration == "megatron":
+        line += (", and the value, a slice of linear_qkv's fused output (Megatron's "
+                 "torch.split), keeps that whole output alive, where without recompute TE's "
+                 "fused attention keeps a contiguous copy of the value")
+    return line
+
+
 def what_fits(base, *, progress: Callable[[str], None] | None = None,
               trace_cache=None) -> list[FitCandidate]:
     """Re-estimate ``base`` (an ``Estimate`` with an ``hbm``) with one setting changed at a
@@ -156,6 +187,8 @@ def what_fits(base, *, progress: Callable[[str], None] | None = None,
             found.append(FitCandidate(flags, changes, note, str(error).splitlines()[0],
                                       megatron_change=megatron))
             continue
+        if changes == {"recompute": "selective"}:
+            note = selective_note(base, result) or note
         # judged as the estimate judges --hbm: reserved peak + non-PyTorch memory (r.fits)
         verdict = get_verdict(result)
         over = verdict["stages_over_hbm"]

@@ -47,31 +47,86 @@ __all__ = ["SearchSpace", "Layout", "FitRow", "FitResult", "pp_layouts", "enumer
            "fit", "PP_ENDS", "ENGINES", "DEFAULT_CLOSEST"]
 
 PP_ENDS = ("suggested", "balanced", "all")
+_DERIVED = ("tp", "ep", "pp", "zero")  # SearchSpace dimensions with a derived default
 ENGINES = ("local", "ray")
 DEFAULT_CLOSEST = 5  # layouts that do not fit, estimated in full to say by how much
 RECOMPUTES = ("none", "selective", "full")
 
 
+# The most candidates (the product of the dimensions' values) a derived default space holds
+# (``SearchSpace.resolve``): a bound on fit's run time, as each (TP, EP, PP, recompute,
+# ZeRO-3) family is traced once. 384: Llama-3-70B on 64 GPUs holds 144, DeepSeek-V3 on 2,048
+# GPUs is thinned to 384 (EP 32-256, PP 2-16).
+MAX_DEFAULT_CANDIDATES = 384
+DEFAULT_RANKS_PER_NODE = 8  # GPUs per node of a DGX / HGX H100 or B200 system
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(max(limit, 1).bit_length()) if 2**i <= limit]
+
+
 @dataclass(frozen=True)
 class SearchSpace:
-    """The values tried per dimension (each a tuple). Defaults: what a team would try for a
-    DeepSeek-V3-class MoE on one or two thousand GPUs, small enough to run on a laptop: TP
-    within a node, EP 8 to 64, PP 8 or 16 with the suggested layer layout, no CP, VPP or
-    ETP, b = 1, every recompute mode, ZeRO-1 (Megatron's distributed optimizer), 1F1B.
-    ``sp``: True, False or both; SP applies where TP > 1 (TP 1 runs without)."""
+    """The values tried per dimension (each a tuple; None: derived from the model and the world
+    size by ``resolve``). ``sp``: True, False or both; SP applies where TP > 1 (TP 1 runs
+    without).
 
-    tp: tuple[int, ...] = (1, 2, 4, 8)
+    Derived defaults (``resolve``), powers of two that the model and the world size allow:
+    TP within a node (<= ranks per node) dividing the attention heads and the key / value
+    heads; PP up to half the layers (at least two per stage); EP dividing the routed experts
+    (1 for a dense model); no CP, VPP or ETP; b = 1; every recompute mode; ZeRO-1 (Megatron's
+    distributed optimizer) and ZeRO-3 (FSDP); 1F1B. Past ``MAX_DEFAULT_CANDIDATES`` the
+    longer of the EP and PP lists loses its smallest value (the least sharded, the first not
+    to fit a large model) until the space is within the bound; the given dimensions are never
+    thinned."""
+
+    tp: tuple[int, ...] | None = None
     sp: tuple[bool, ...] = (True,)
     cp: tuple[int, ...] = (1,)
-    ep: tuple[int, ...] = (8, 16, 32, 64)
+    ep: tuple[int, ...] | None = None
     etp: tuple[int, ...] = (1,)
-    pp: tuple[int, ...] = (8, 16)
+    pp: tuple[int, ...] | None = None
     vpp: tuple[int, ...] = (1,)
     pp_ends: str = "suggested"
     micro_batch_size: tuple[int, ...] = (1,)
     recompute: tuple[str, ...] = RECOMPUTES
-    zero: tuple[int, ...] = (1,)
+    zero: tuple[int, ...] | None = None
     schedule: tuple[str, ...] = ("1f1b",)
+
+    def resolve(self, cfg, world_size: int,
+                ranks_per_node: int = DEFAULT_RANKS_PER_NODE) -> SearchSpace:
+        """This space with every None dimension derived (the class docstring) for model
+        ``cfg`` (a ``ModelConfig``) on ``world_size`` GPUs of ``ranks_per_node`` per node."""
+        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
+        derived: dict[str, tuple] = {}
+        if self.tp is None:
+            derived["tp"] = tuple(t for t in _powers_of_two(min(ranks_per_node, world_size))
+                                  if heads % t == 0 and kv % t == 0) or (1,)
+        if self.pp is None:
+            derived["pp"] = tuple(_powers_of_two(min(world_size, max(cfg.num_layers // 2, 1))))
+        if self.ep is None:
+            experts = cfg.num_routed_experts if cfg.is_moe else 1
+            derived["ep"] = tuple(e for e in _powers_of_two(min(experts, world_size))
+                                  if experts % e == 0)
+        if self.zero is None:
+            derived["zero"] = (1, 3)
+        space = replace(self, **derived)
+
+        def count(sp):
+            n = 1
+            for f in fields(sp):
+                if f.name != "pp_ends":
+                    n *= len(getattr(sp, f.name))
+            return n
+
+        while count(space) > MAX_DEFAULT_CANDIDATES:
+            thinnable = [name for name in ("ep", "pp")
+                         if name in derived and len(getattr(space, name)) > 1]
+            if not thinnable:
+                break
+            name = max(thinnable, key=lambda n: (len(getattr(space, n)), n == "ep"))
+            space = replace(space, **{name: getattr(space, name)[1:]})
+        return space
 
     def __post_init__(self) -> None:
         from tracemem.schedules import SCHEDULES
@@ -83,6 +138,8 @@ class SearchSpace:
                 if value not in PP_ENDS:
                     raise TracememError(f"--pp-ends {value!r} is invalid; choose one of "
                                         f"{', '.join(PP_ENDS)}")
+                continue
+            if value is None and f.name in _DERIVED:
                 continue
             if not isinstance(value, tuple) or not value:
                 raise TracememError(f"{flag} needs at least one value")
@@ -201,10 +258,20 @@ def pp_layouts(num_layers: int, pp: int, vpp: int, mode: str = "suggested"
 
 
 def enumerate_layouts(cfg, world_size: int, seq_length: int, global_batch_size: int,
-                      space: SearchSpace) -> tuple[list[Layout], dict[str, int]]:
-    """Every valid layout of model ``cfg`` (a ``ModelConfig``) in ``space``, in the order of
-    the space's dimensions, and the number of candidates rejected per first reason (the
-    validator's message up to its first digit-free clause, e.g. ``"--tp 8 must divide ..."``).
+                      space: SearchSpace, ranks_per_node: int = DEFAULT_RANKS_PER_NODE
+                      ) -> tuple[list[Layout], dict[str, int]]:
+    """Every valid layout of model ``cfg`` (a ``ModelConfig``) in ``space`` (its None
+    dimensions derived, ``SearchSpace.resolve``), in the order of the space's dimensions, and
+    the number of candidates rejected per first reason (the validator's message up to its
+    first digit-free clause, e.g. ``"--tp 8 must divide ..."``).
+
+    A TP group larger than ``ranks_per_node`` is not valid here: in Megatron's rank order
+    (TP fastest, ``megatron/core/parallel_state.py``) a TP group is consecutive ranks, so
+    TP <= ranks per node keeps it in one node, and TP > ranks per node would run every
+    layer's all-reduces or all-gathers / reduce-scatters (``tracemem.formulas.cost.tp_bytes``,
+    four per layer and microbatch) over the inter-node network, which the cost model does not
+    price (it assumes communication hidden). Give ``--ranks-per-node`` for larger NVLink
+    domains (72 on a GB200 NVL72).
 
     Raises:
         TracememError: a world size, sequence length or global batch that is not a positive
@@ -217,6 +284,7 @@ def enumerate_layouts(cfg, world_size: int, seq_length: int, global_batch_size: 
                         ("--global-batch-size", global_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise TracememError(f"{flag} {value!r} must be a positive integer")
+    space = space.resolve(cfg, world_size, ranks_per_node)
     layouts: list[Layout] = []
     rejected: dict[str, int] = {}
 
@@ -225,6 +293,13 @@ def enumerate_layouts(cfg, world_size: int, seq_length: int, global_batch_size: 
 
     rest = len(space.micro_batch_size) * len(space.recompute) * len(space.schedule)
     for tp in space.tp:
+        if tp > ranks_per_node:
+            sps = len({s and tp > 1 for s in space.sp})
+            reject(f"--tp {tp} spans nodes of --ranks-per-node {ranks_per_node} (TP traffic "
+                   f"would cross the inter-node network)",
+                   sps * len(space.cp) * len(space.ep) * len(space.etp) * len(space.pp)
+                   * len(space.vpp) * len(space.zero) * rest)
+            continue
         for sp in sorted({s and tp > 1 for s in space.sp}, reverse=True):
             for cp in space.cp:
                 for ep in space.ep:
@@ -645,7 +720,9 @@ def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
             with ``job_fields`` world_size, hbm (e.g. "80GiB"), seq_length and
             global_batch_size, and any other ``Job`` field fixed for every layout (kernels,
             kernel_options, attention, precision, non_pytorch_memory, ...).
-        space: the ``SearchSpace`` (default ``SearchSpace()``).
+        space: the ``SearchSpace`` (default ``SearchSpace()``); its None dimensions are
+            derived from the model and the world size (``SearchSpace.resolve``), with
+            TP within a node of the job's ``ranks_per_node`` GPUs.
         workers: worker processes (default: every core, ``os.cpu_count()``); 1 runs in this
             process. Ignored by the ray engine.
         engine: "local" or "ray" (``address``: a Ray cluster, "auto" for the running one;
@@ -689,11 +766,13 @@ def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
         raise TracememError(f"fit: {swept[0]!r} is a search-space dimension; give it in space")
     world_size, seq_length = fixed["world_size"], fixed["seq_length"]
     global_batch_size = fixed["global_batch_size"]
-    space = space or SearchSpace()
-    if not cfg.is_moe and space.ep == SearchSpace.ep and space.etp == SearchSpace.etp:
-        # a dense model has no experts to spread: the MoE defaults of EP would reject every
-        # layout (estimate: "use --ep 1 --etp 1"), so its default is EP 1
-        space = replace(space, ep=(1,), etp=(1,))
+    # the dimensions not given are derived from the model and the world size (a dense
+    # model's EP is 1); TP stays within a node of ranks_per_node GPUs
+    ranks_per_node = fixed.get("ranks_per_node", DEFAULT_RANKS_PER_NODE)
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) \
+            or ranks_per_node <= 0:
+        raise TracememError(f"--ranks-per-node {ranks_per_node!r} must be a positive integer")
+    space = (space or SearchSpace()).resolve(cfg, world_size, ranks_per_node)
     if engine not in ENGINES:
         raise TracememError(f"--engine {engine!r} is invalid; choose one of "
                             f"{', '.join(ENGINES)}")
@@ -706,7 +785,7 @@ def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
     if engine == "local" and address is not None:
         raise TracememError("--address applies to --engine ray; drop it or add --engine ray")
     layouts, rejected = enumerate_layouts(cfg, world_size, seq_length, global_batch_size,
-                                          space)
+                                          space, ranks_per_node=ranks_per_node)
     if not layouts:
         reasons = "; ".join(f"{why} ({n} layout{'s' * (n != 1)})" for why, n in
                             sorted(rejected.items(), key=lambda kv: -kv[1])[:3])
@@ -828,39 +907,71 @@ def _pp_text(layout: Layout) -> str:
     return f"{layout.pp} ({layout.pp_first_stage_layers}/../{layout.pp_last_stage_layers})"
 
 
-def _table_row(row: FitRow, over: bool = False) -> list:
-    lay = row.layout
-    out = [lay.tp, "on" if lay.sp else "-", lay.cp, lay.ep, lay.etp, _pp_text(lay), lay.vpp,
-           lay.micro_batch_size, lay.num_microbatches, lay.recompute, lay.zero, lay.schedule,
-           _gib(row.needed_bytes), row.worst_pp_stage]
+_COLUMNS = ("TP", "SP", "CP", "EP", "ETP", "PP (first/../last)", "VPP", "b", "M", "recompute",
+            "ZeRO", "schedule")
+# the layout columns the default table shows only when the rows differ in them (else they
+# are said once, above the table): those a derived or given space most often holds constant
+_OPTIONAL = ("SP", "CP", "EP", "ETP", "VPP", "b", "schedule")
+
+
+def _layout_cells(lay: Layout) -> dict[str, str]:
+    return dict(zip(_COLUMNS, map(str, (
+        lay.tp, "on" if lay.sp else "-", lay.cp, lay.ep, lay.etp, _pp_text(lay), lay.vpp,
+        lay.micro_batch_size, lay.num_microbatches, lay.recompute, lay.zero, lay.schedule))))
+
+
+def _table_row(row: FitRow, over: bool = False, columns: tuple[str, ...] = _COLUMNS,
+               wide: bool = True) -> list:
+    cells = _layout_cells(row.layout)
+    out = [cells[c] for c in columns] + [_gib(row.needed_bytes)]
+    if wide:
+        out.append(str(row.worst_pp_stage))
     if over:
         return out + [_gib(-row.headroom_bytes)]
-    return out + [_gib(row.headroom_bytes), f"{row.cost:.3f}", f"{row.bubble:.3f}",
-                  f"{row.recompute_overhead:.3f}", _gib(row.comm_bytes)]
+    out += [_gib(row.headroom_bytes), f"{row.cost:.3f}"]
+    if wide:
+        out += [f"{row.bubble:.3f}", f"{row.recompute_overhead:.3f}", _gib(row.comm_bytes)]
+    return out
 
 
-_HEAD = ["TP", "SP", "CP", "EP", "ETP", "PP (first/../last)", "VPP", "b", "M", "recompute",
-         "ZeRO", "schedule", "needs GiB", "at stage"]
+def _shown_columns(rows: list[FitRow], wide: bool) -> tuple[tuple[str, ...], str]:
+    """The layout columns of the tables, and the line that says the constant ones (the
+    default table; ``wide``: every column, no line)."""
+    if wide or not rows:
+        return _COLUMNS, ""
+    cells = [_layout_cells(r.layout) for r in rows]
+    constant = [c for c in _OPTIONAL if len({row[c] for row in cells}) == 1]
+    shown = tuple(c for c in _COLUMNS if c not in constant)
+    return shown, ("Every layout below: " + ", ".join(
+        f"{c} {cells[0][c]}" for c in constant) + "." if constant else "")
 
 
-def format_fit(result: FitResult, top: int = 20) -> str:
+def format_fit(result: FitResult, top: int = 20, wide: bool = False) -> str:
     """The fitting layouts ranked by cost (the first ``top``), the closest that do not fit
-    and by how much, and a summary of the run (GiB = 2^30 B)."""
-    from tabulate import tabulate
+    and by how much, and a summary of the run (GiB = 2^30 B). The default tables fit 100
+    columns: the layout columns in which the rows differ (the others said once), needs,
+    headroom and cost; ``wide``: every column (the worst stage, bubble, recompute, comm)."""
+    from tracemem.report import plain_table
 
     hbm = _gib(result.hbm_bytes)
     fitting = result.fitting
+    shown = fitting[:top]
+    columns, constant = _shown_columns(shown + list(result.closest), wide)
     lines = [f"{result.model} on {result.world_size} GPUs of {hbm} GiB, s={result.seq_length}, "
              f"global batch {result.global_batch_size} sequences: {len(result.rows)} valid "
              f"layouts estimated, {len(fitting)} fit", ""]
+    if constant:
+        lines.append(constant)
+    stage = ["at stage"] if wide else []
     if fitting:
-        shown = fitting[:top]
+        best = "" if len(shown) == len(fitting) else f"; the best {len(shown)} of {len(fitting)}"
         lines.append(f"Layouts that fit, ranked by cost (step time over ideal compute), then "
-                     f"communication bytes per step{'' if len(shown) == len(fitting) else f'; the best {len(shown)} of {len(fitting)}'}:")
-        lines.append(tabulate([[i + 1] + _table_row(r) for i, r in enumerate(shown)],
-                              headers=["#"] + _HEAD + ["headroom GiB", "cost", "bubble",
-                                                       "recompute", "comm GiB/step"],
-                              disable_numparse=True))
+                     f"communication bytes per step{best}:")
+        lines.append(plain_table([[str(i + 1)] + _table_row(r, columns=columns, wide=wide)
+                                  for i, r in enumerate(shown)],
+                                 ["#", *columns, "needs GiB", *stage, "headroom GiB", "cost"]
+                                 + (["bubble", "recompute", "comm GiB/step"] if wide else []),
+                                 ["left"] * (len(columns) + len(stage) + 4 + 3 * wide)))
         if result.job is not None and result.job.origin == "megatron":
             from tracemem.frontdoors import megatron_flag_changes
 
@@ -875,18 +986,24 @@ def format_fit(result: FitResult, top: int = 20) -> str:
         lines.append(f"No layout in the search space fits in {hbm} GiB.")
     if result.closest:
         lines += ["", "Closest layouts that do not fit (estimated in full), and by how much:"]
-        lines.append(tabulate([_table_row(r, over=True) for r in result.closest],
-                              headers=_HEAD + ["over by GiB"], disable_numparse=True))
+        lines.append(plain_table([_table_row(r, over=True, columns=columns, wide=wide)
+                                  for r in result.closest],
+                                 [*columns, "needs GiB", *stage, "over by GiB"],
+                                 ["left"] * (len(columns) + len(stage) + 2)))
     t = result.traces
     asked = t["computed"] + t["reused"] + t["loaded"]
     reused = t["reused"] + t["loaded"]
+    per_node = (result.settings or {}).get("ranks_per_node", DEFAULT_RANKS_PER_NODE)
     lines += ["", "needs: the most any rank needs, its reserved peak (simulated CUDA caching "
-                  "allocator) + non-PyTorch memory, at that pipeline stage; headroom: "
-                  f"{hbm} GiB minus that. cost = (1 + recompute) x (1 + bubble): bubble, the "
-                  "schedule's idle / compute time; recompute, the extra compute of the "
-                  "recompute mode; comm: TP + EP + CP bytes a rank of the busiest stage sends "
-                  "per step, assumed hidden, a tie-breaker (tracemem/formulas/cost.py, each "
-                  "term cited).",
+                  "allocator) + non-PyTorch memory" + (", at that pipeline stage" if wide else "")
+              + f"; headroom: {hbm} GiB minus that. cost = (1 + recompute) x (1 + bubble): "
+                "bubble, the schedule's idle / compute time; recompute, the extra compute of "
+                "the recompute mode" + ("; comm: TP + EP + CP bytes a rank of the busiest "
+                                        "stage sends per step, assumed hidden, a tie-breaker"
+                                        if wide else "; ties broken by the bytes a rank sends "
+                                        "per step (--wide: comm)")
+              + f"; TP within a node of {per_node} ranks (--ranks-per-node) "
+                "(tracemem/formulas/cost.py, each term cited).",
               f"Rank-class traces: {asked} needed, {t['computed']} computed, {reused} reused "
               f"({reused / asked:.0%})" + (f", {t['loaded']} of them from --cache-dir"
                                            if t["loaded"] else "") +
@@ -898,6 +1015,9 @@ def format_fit(result: FitResult, top: int = 20) -> str:
         top_reasons = sorted(result.rejected.items(), key=lambda kv: -kv[1])[:3]
         lines.append(f"Not valid, skipped: {skipped} candidates; the most common reasons: " +
                      "; ".join(f"{why} ({n})" for why, n in top_reasons) + ".")
+    if not wide:
+        lines.append("--wide adds the worst stage, bubble, recompute and comm columns; --json "
+                     "/ --csv give every row, bytes as int.")
     return "\n".join(lines)
 
 

@@ -17,7 +17,8 @@ from tracemem.tracer import MemoryTracer
 __all__ = ["UNITS", "UNIT_NOTES", "to_units", "pick_units", "format_size", "stage_ranks",
            "get_verdict", "format_verdict", "get_estimate", "format_estimate",
            "format_estimate_json",
-           "format_fits", "get_summary", "format_breakdown", "format_comparisons"]
+           "format_fits", "get_summary", "format_breakdown", "format_comparisons",
+           "estimate_columns", "plain_table", "TABLE_WIDTH", "DEFAULT_COLUMNS"]
 
 # The field's memory figures are binary (GiB = 2^30 B, as torch.cuda.memory_summary prints);
 # GB (10^9 B) is there to compare with logs and spec sheets that print GB.
@@ -187,20 +188,50 @@ def get_verdict(result) -> dict[str, Any]:
             "worst_ep_rank": worst.ep_rank, "worst_peak_bytes": worst.peak_bytes,
             # the most any rank needs of hbm: reserved peak + non-PyTorch memory
             "worst_needed_bytes": max(r.reserved_peak_bytes for r in result.ranks)
-            + result.settings.get("non_pytorch_memory_bytes", 0)}
+            + result.settings.get("non_pytorch_memory_bytes", 0),
+            "host": get_host_memory(result)}
+
+
+def get_host_memory(result) -> dict[str, Any]:
+    """The host memory the job needs beyond its processes' own (``RankEstimate.host_bytes``:
+    the optimizer offloaded by ``--optimizer-cpu-offload``, ``tracemem.offload``), as plain
+    data: ``per_rank_bytes`` / ``pinned_per_rank_bytes`` (the most of any rank) and
+    ``per_node_bytes`` / ``pinned_per_node_bytes`` (the most of any node of
+    ``ranks_per_node`` consecutive global ranks, ``tracemem.offload.host_per_node``)."""
+    from tracemem.offload import host_per_node
+
+    par = result.parallel
+    per_node = result.settings.get("ranks_per_node", 8)
+
+    def most(name: str) -> tuple[int, int]:
+        stage: dict[int, int] = {}
+        for r in result.ranks:  # a stage's EP-rank classes: the most of them for every rank
+            stage[r.pp_stage] = max(stage.get(r.pp_stage, 0), getattr(r, name))
+        return max(stage.values(), default=0), host_per_node(par.world_size, par.pp, stage,
+                                                             per_node)
+
+    rank, node = most("host_bytes")
+    pinned_rank, pinned_node = most("host_pinned_bytes")
+    return {"ranks_per_node": per_node, "per_rank_bytes": rank,
+            "pinned_per_rank_bytes": pinned_rank, "per_node_bytes": node,
+            "pinned_per_node_bytes": pinned_node}
 
 
 def _hbm_label(hbm: int, units: str, given: str | None) -> str:
     """``--hbm`` in the verdict, saying which units it was read in: "80 GiB" (binary, as the
     tables), or for a decimal or plain-byte ``given`` "--hbm 80GB (decimal units, 1 GB = 10^9
-    B; = 74.51 GiB)"."""
+    B; = 74.51 GiB)". Every figure of the verdict is in ``units`` (the table's): a size in
+    another binary unit says its value in ``units`` too ("80 GiB (81,920 MiB)"), and a decimal
+    one its value in ``units`` ("= 76,293.95 MiB"), so no two figures of one line need
+    converting to compare."""
     from tracemem.job import size_unit
 
-    label = _size_label(hbm, units, given=True)
     if given is None or size_unit(given) == "binary":
-        return label
+        own = "B" if units == "B" else pick_units(hbm)
+        label = _size_label(hbm, own, given=True)
+        return label if own == units else f"{label} ({_size_label(hbm, units, given=True)})"
     kind = "decimal units, 1 GB = 10^9 B" if size_unit(given) == "decimal" else "bytes"
-    return f"--hbm {given.strip()} ({kind}; = {_size_label(hbm, 'GiB')})"
+    return f"--hbm {given.strip()} ({kind}; = {_size_label(hbm, units)})"
 
 
 def format_verdict(verdict: dict[str, Any], units: str = "GiB", hbm_given: str | None = None
@@ -231,6 +262,22 @@ def format_verdict(verdict: dict[str, Any], units: str = "GiB", hbm_given: str |
             f"(reserved + non-PyTorch memory).")
 
 
+def format_host_memory(verdict: dict[str, Any], units: str = "GiB") -> str | None:
+    """The verdict's host-memory line, or None when the job puts nothing on the host:
+    "Host memory (--optimizer-cpu-offload): 9.50 GiB per rank at most (4.00 GiB pinned),
+    76.00 GiB per node of 8 ranks (32.00 GiB pinned)." """
+    host = verdict.get("host") or {}
+    if not host.get("per_rank_bytes"):
+        return None
+    units = pick_units(host["per_rank_bytes"]) if units == "auto" else units
+    size = lambda n: _size_label(n, units)  # noqa: E731
+    n = host["ranks_per_node"]
+    return (f"Host memory (--optimizer-cpu-offload): {size(host['per_rank_bytes'])} per rank "
+            f"at most ({size(host['pinned_per_rank_bytes'])} pinned), "
+            f"{size(host['per_node_bytes'])} per node of {n} rank{'s' * (n != 1)} "
+            f"({size(host['pinned_per_node_bytes'])} pinned).")
+
+
 def get_estimate(result, fits: Sequence[Any] | None = None) -> dict[str, Any]:
     """An ``Estimate`` as JSON-ready data, every figure in bytes (documented in
     docs/estimate.md); with ``fits`` (``tracemem.advice.what_fits``), its candidates under
@@ -247,6 +294,8 @@ def get_estimate(result, fits: Sequence[Any] | None = None) -> dict[str, Any]:
                "peak_bytes": r.peak_bytes}
         row.update({name: getattr(r, name) for name in _RANK_FIELDS})
         row.update({name: getattr(r, name) for name in _ALLOCATOR_FIELDS})
+        row["host_bytes"] = r.host_bytes  # --optimizer-cpu-offload (tracemem.offload)
+        row["host_pinned_bytes"] = r.host_pinned_bytes
         row["fits"] = r.fits  # reserved peak + non-PyTorch memory <= hbm (estimator)
         row["by_module_bytes"] = r.by_module
         row["largest_storages"] = r.largest
@@ -266,6 +315,7 @@ def get_estimate(result, fits: Sequence[Any] | None = None) -> dict[str, Any]:
                   "peak_bytes": worst.peak_bytes, "dominant": worst.dominant()[0]},
         "verdict": get_verdict(result),
     }
+    out["host"] = out["verdict"]["host"]
     if fits is not None:
         out["what_fits"] = [candidate.as_dict() for candidate in fits]
     return out
@@ -281,16 +331,31 @@ _STEP_KINDS = {"F": "forward", "B": "backward", "I": "input-gradient backward",
 _STEP = re.compile(r"^([0-9]+)([A-Z])([0-9]+)$")  # tracemem.schedules.Step notation
 
 
-def _legend(result, units: str) -> list[str]:
-    """Short lines under the estimate table: what each non-obvious column means, derived from
-    this run (precision recipe, rank order, routing, the worst rank's step)."""
+def _legend(result, units: str, keys: Sequence[str] | None = None) -> list[str]:
+    """Short lines under the estimate table: what each non-obvious column of ``keys`` (the
+    columns shown, ``estimate_columns``; None: all) means, derived from this run (precision
+    recipe, rank order, routing, the worst rank's step)."""
     par = result.parallel
+    shown = (lambda key: True) if keys is None else (lambda key: key in keys)  # noqa: E731
     lines = [f"Memory columns in {units} ({UNIT_NOTES[units]}): what is alive at each row's "
              f"peak."]
+    if shown("peak"):
+        rounding = getattr(result.job, "rounding", None)
+        each = (f"each rounded to --rounding ({rounding} B)" if rounding else "exact bytes")
+        lines.append(f"peak: the storages alive at the rank's peak, {each}; the simulated "
+                     "allocator's max_memory_allocated also counts the unsplit remainders of "
+                     "the blocks it hands out, so it can be a little higher (--json "
+                     "allocated_peak_bytes; --plot's \"allocated peak\").")
     per_stage = par.world_size // par.pp
-    lines.append(f"ranks: the stage's global ranks, {per_stage} per stage (Megatron's rank "
-                 f"order: TP fastest, then CP, DP, and PP slowest).")
-    if all(r.ep_rank is None for r in result.ranks):
+    if shown("ranks"):
+        lines.append(f"ranks: the stage's global ranks, {per_stage} per stage (Megatron's rank "
+                     f"order: TP fastest, then CP, DP, and PP slowest).")
+    if all(r.ep_rank is None for r in result.ranks) and not shown("ep"):
+        if par.ep > 1:
+            lines.append(f"EP ranks: the stage's {par.ep} EP ranks hold the same under "
+                         f"{result.settings.get('routing', 'balanced')} routing, so one traced "
+                         f"rank stands for all (one row per stage).")
+    elif all(r.ep_rank is None for r in result.ranks):
         if par.ep > 1:
             lines.append(f'EP rank "-": the stage\'s {par.ep} EP ranks hold the same under '
                          f"{result.settings.get('routing', 'balanced')} routing, so one traced "
@@ -305,11 +370,27 @@ def _legend(result, units: str) -> list[str]:
                      + ('; "-": all of the stage\'s EP ranks alike (no MoE layer there, or '
                         'the same counts).' if any(r.ep_rank is None for r in result.ranks)
                         else "."))
-    if any(r.workspace_bytes for r in result.ranks):
+    if any(r.workspace_bytes for r in result.ranks) and shown("workspaces"):
         lines.append(f"workspaces: what --gpu {result.settings.get('gpu')} keeps below the "
                      f"dispatcher (cuBLAS workspaces, TE's dummy weight gradients, Megatron's "
                      f"global memory buffer, RoPE's cache: tracemem/workspaces.py), held from "
                      f"the start of the step.")
+    elif any(r.workspace_bytes for r in result.ranks):
+        lines.append(f"peak and reserved include what --gpu {result.settings.get('gpu')} keeps "
+                     f"below the dispatcher (cuBLAS workspaces and the like, "
+                     f"tracemem/workspaces.py; --wide shows them).")
+    if shown("host") and any(getattr(r, "host_bytes", 0) for r in result.ranks):
+        lines.append("host: host (CPU) memory of the rank under --optimizer-cpu-offload "
+                     "(pinned included), in neither peak nor reserved.")
+    job = getattr(result, "job", None)
+    if (result.settings.get("recompute") == "selective" and job is not None
+            and not job.config.is_mla and job.profile.orchestration == "megatron"
+            and "core_attn" in (job.recompute_modules or ())):
+        # tracemem.advice.selective_note: the what-fits comparison, measured
+        lines.append("recompute selective: core attention's checkpoint keeps its inputs, and "
+                     "the value, a slice of linear_qkv's fused output (Megatron's "
+                     "torch.split), keeps that whole output alive; the peak can be higher "
+                     "than under --recompute none (--what-fits compares the two).")
     recipe = par.precision_spec  # the --precision recipe with any precision flags applied
     kinds = {1: "fp8", 2: "bf16", 4: "fp32"}
     g, p = recipe.grad_bytes, recipe.param_bytes
@@ -322,7 +403,9 @@ def _legend(result, units: str) -> list[str]:
     lines.append(line + ".")
     held = ("microbatch forwards" if par.vpp == 1 else
             "model-chunk forwards (up to M x VPP)")
-    lines.append(f"in-flight: {held} held at the peak, their activations kept for backward.")
+    if shown("inflight"):
+        lines.append(f"in-flight: {held} held at the peak, their activations kept for "
+                     f"backward.")
     steps = [r.peak_step for r in result.ranks if r.peak_step]
     worst = next((step for step in [result.worst.peak_step, *steps]
                   if step and _STEP.match(step)), None)
@@ -333,7 +416,8 @@ def _legend(result, units: str) -> list[str]:
         stage = "virtual stage" if par.vpp > 1 else "stage"
         seen = {m[2] for step in steps if (m := _STEP.match(step))}
         kinds = ", ".join(f"{k} = {v}" for k, v in _STEP_KINDS.items() if k in seen | {"F", "B"})
-        lines.append(f"at step: the schedule step running at the peak, {stage} + kind + "
+        lines.append(f"{'at step' if shown('step') else 'step'}: the schedule step running "
+                     f"at the peak, {stage} + kind + "
                      f"microbatch: {worst} = {stage} {match[1]}, "
                      f"{_STEP_KINDS.get(match[2], match[2])}, microbatch {match[3]} "
                      f"({kinds}){optimizer}.")
@@ -342,16 +426,24 @@ def _legend(result, units: str) -> list[str]:
     return lines
 
 
-def _allocator_legend(result, units: str) -> str:
-    """What the reserved / frag. / fits columns mean (tracemem.memory, docs/allocator.md)."""
+def _allocator_legend(result, units: str, keys: Sequence[str] | None = None) -> str:
+    """What the reserved / frag. / fits columns mean (tracemem.memory, docs/allocator.md);
+    ``keys``: the columns shown (None: all)."""
     conf = result.settings.get("alloc_conf") or "default settings"
     outside = result.settings.get("non_pytorch_memory_bytes", 0)
     line = (f"reserved: max_memory_reserved of PyTorch's CUDA caching allocator (simulated, "
-            f"{conf}); frag.: reserved - allocated when reserved first reached its peak "
-            f"(cached free blocks that did not fit the request that grew it)")
+            f"{conf})")
+    if keys is None or "frag" in keys:
+        line += ("; frag.: reserved - allocated when reserved first reached its peak "
+                 "(cached free blocks that did not fit the request that grew it)")
     if result.hbm_bytes is not None:
+        hbm = result.hbm_bytes
         line += (f"; fits: reserved + {_size_label(outside, units)} non-PyTorch memory (CUDA "
-                 f"context, --non-pytorch-memory) <= {_size_label(result.hbm_bytes, units)}")
+                 f"context, --non-pytorch-memory) <= {_size_label(hbm, units)}")
+        if keys is not None and "frag" not in keys:
+            # the narrow table's column is "fits": the legend names the --hbm it judges
+            line += (f" (the rank fits "
+                     f"{_size_label(hbm, 'B' if units == 'B' else pick_units(hbm), True)})")
     return line + "."
 
 
@@ -362,40 +454,112 @@ def _ep_ranks_text(r) -> str:
     return "-" if r.ep_rank is None else _ranks_text(list(r.ep_ranks) or [r.ep_rank])
 
 
-def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = None) -> str:
+# The default table fits this many columns (a terminal of 100; issue 26); --wide shows every
+# column, --json every figure.
+TABLE_WIDTH = 100
+# the estimate table's columns: (key, header); the default shows DEFAULT_COLUMNS (those a
+# user needs first: the static parts, activations, the peak, where it happens, the reserved
+# peak and the verdict), and drops NARROWING's keys in that order while it is wider than
+# TABLE_WIDTH; ``wide`` shows them all
+_COLUMNS = (("stage", "stage"), ("ranks", "ranks"), ("ep", "EP rank"), ("params", "params"),
+            ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
+            ("inflight", "in-flight"), ("comm", "comm"), ("temporaries", "temporaries"),
+            ("workspaces", "workspaces"), ("peak", "peak"), ("step", "at step"),
+            ("reserved", "reserved"), ("frag", "frag."), ("fits", "fits"), ("host", "host"))
+DEFAULT_COLUMNS = ("stage", "ranks", "ep", "params", "grads", "optimizer", "activations",
+                   "inflight", "peak", "step", "reserved", "fits")
+_NARROWING = ("step", "ranks", "inflight")
+
+
+def _estimate_cells(r, spans, units: str) -> dict[str, str]:
+    size = lambda n: format_size(n, units)  # noqa: E731
+    return {"stage": str(r.pp_stage), "ranks": _format_spans(spans[r.pp_stage]),
+            "ep": _ep_ranks_text(r), "params": size(r.parameter_bytes),
+            "grads": size(r.gradient_bytes), "optimizer": size(r.optimizer_state_bytes),
+            "activations": size(r.activation_bytes), "inflight": str(r.inflight_microbatches),
+            "comm": size(r.comm_buffer_bytes), "temporaries": size(r.temporary_bytes),
+            "workspaces": size(r.workspace_bytes), "peak": size(r.peak_bytes),
+            "step": r.peak_step or "-", "reserved": size(r.reserved_peak_bytes),
+            "frag": size(r.fragmentation_bytes),
+            "fits": "" if r.fits is None else ("yes" if r.fits else "NO"),  # reserved-based
+            # host (CPU) memory of --optimizer-cpu-offload, not in the peak (tracemem.offload)
+            "host": size(getattr(r, "host_bytes", 0))}
+
+
+def estimate_columns(result, units: str, wide: bool = False,
+                     width: int = TABLE_WIDTH) -> tuple[list[str], list[list[str]]]:
+    """The estimate table's column keys (``_COLUMNS``) and rows (one per rank class, each
+    stage's worst first), as strings in ``units``. ``wide``: every column that has something
+    to show; else ``DEFAULT_COLUMNS`` (the EP rank only where the rows are EP-rank classes),
+    narrowed (``_NARROWING``) until the table is at most ``width`` characters."""
+    spans = stage_ranks(result.parallel)
+    # a stage's rows (EP-rank classes under skewed routing) its worst first: the stage's
+    # maximum is its first row, however many classes follow
+    ordered = sorted(result.ranks, key=lambda r: (r.pp_stage, -r.peak_bytes))
+    cells = [_estimate_cells(r, spans, units) for r in ordered]
+    keys = [k for k, _ in _COLUMNS]
+    if not any(r.workspace_bytes for r in result.ranks):  # no GPU named: none counted
+        keys.remove("workspaces")
+    if result.hbm_bytes is None:
+        keys.remove("fits")
+    if not any(getattr(r, "host_bytes", 0) for r in result.ranks):  # nothing on the host
+        keys.remove("host")
+    if not wide:
+        keys = [k for k in keys if k in DEFAULT_COLUMNS]
+        if all(r.ep_rank is None for r in result.ranks):  # one row per stage: said in the legend
+            keys.remove("ep")
+        for drop in _NARROWING:
+            if _table_width(keys, cells, result, units, wide) <= width:
+                break
+            keys.remove(drop)
+    return keys, [[row[k] for k in keys] for row in cells]
+
+
+def _estimate_headers(keys: list[str], result, units: str, wide: bool) -> list[str]:
+    names = dict(_COLUMNS)
+    if wide and result.hbm_bytes is not None:  # the narrow table says it in the legend
+        hbm = result.hbm_bytes
+        names["fits"] = f"fits {_size_label(hbm, 'B' if units == 'B' else pick_units(hbm), True)}"
+    return [names[k] for k in keys]
+
+
+def _table_width(keys, cells, result, units, wide) -> int:
+    heads = _estimate_headers(keys, result, units, wide)
+    return sum(max([len(h)] + [len(row[k]) for row in cells]) for h, k in zip(heads, keys)) \
+        + 2 * (len(keys) - 1)  # plain_table: two spaces between columns
+
+
+def plain_table(rows: Sequence[Sequence[Any]], headers: Sequence[str],
+                align: Sequence[str] | None = None) -> str:
+    """``rows`` under ``headers`` as text: each column as wide as its widest cell or header
+    (no padding beyond that, unlike tabulate's headers), two spaces between columns, a dashed
+    rule; ``align`` per column "left" or "right" (default: all right). Cells are str()."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
+    align = align or ["right"] * len(headers)
+
+    def line(values):
+        return "  ".join(v.ljust(w) if a == "left" else v.rjust(w)
+                         for v, w, a in zip(values, widths, align)).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])]
+                     + [line(row) for row in cells])
+
+
+def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = None,
+                    wide: bool = False, hbm_from_gpu: str | None = None) -> str:
     """One row per rank class, in ``units`` (one of ``UNITS``, or "auto": ``pick_units`` of
-    the worst peak), a legend, the worst rank, the verdict, and with ``fits``
-    (``tracemem.advice.what_fits``) what would fit."""
+    the worst peak), a legend of the columns shown, the worst rank, the verdict, and with
+    ``fits`` (``tracemem.advice.what_fits``) what would fit. The table fits ``TABLE_WIDTH``
+    columns (``estimate_columns``); ``wide`` shows every column (comm, temporaries,
+    workspaces, frag.). ``hbm_from_gpu``: the --gpu whose memory (``GPU_MEMORY``) stood in
+    for a --hbm not given, said under the verdict."""
     if units == "auto":
         units = pick_units(result.worst.peak_bytes)
     elif units not in UNITS:
         to_units(0, units)  # raises, naming the valid units
-    spans = stage_ranks(result.parallel)
-    rows = []
-    below = any(r.workspace_bytes for r in result.ranks)  # a GPU named: workspaces counted
-    # a stage's rows (EP-rank classes under skewed routing) its worst first: the stage's
-    # maximum is its first row, however many classes follow
-    for r in sorted(result.ranks, key=lambda r: (r.pp_stage, -r.peak_bytes)):
-        fits_cell = "" if r.fits is None else ("yes" if r.fits else "NO")  # reserved-based
-        rows.append([r.pp_stage, _format_spans(spans[r.pp_stage]),
-                     _ep_ranks_text(r)]
-                    + [format_size(n, units) for n in (
-                        r.parameter_bytes, r.gradient_bytes, r.optimizer_state_bytes,
-                        r.activation_bytes)]
-                    + [r.inflight_microbatches]
-                    + [format_size(n, units) for n in (
-                        r.comm_buffer_bytes, r.temporary_bytes)]
-                    + ([format_size(r.workspace_bytes, units)] if below else [])
-                    + [format_size(r.peak_bytes, units)]
-                    + [r.peak_step or "-"]
-                    + [format_size(n, units) for n in (r.reserved_peak_bytes,
-                                                       r.fragmentation_bytes)]
-                    + ([fits_cell] if fits_cell else []))
-    headers = ["stage", "ranks", "EP rank", "params", "grads", "optimizer", "activations",
-               "in-flight", "comm", "temporaries"] + (["workspaces"] if below else []) + [
-               "peak", "at step", "reserved", "frag."]
-    if result.hbm_bytes is not None:
-        headers.append(f"fits {_size_label(result.hbm_bytes, units, given=True)}")
+    keys, rows = estimate_columns(result, units, wide)
+    headers = _estimate_headers(keys, result, units, wide)
     par, st = result.parallel, result.settings
     head = (f"{result.model}: world {par.world_size} (TP {par.tp}{' + SP' if par.sp else ''}, "
             f"CP {par.cp}, PP {par.pp}, VPP {par.vpp}, DP {par.dp}; EP {par.ep}, ETP {par.etp}, "
@@ -405,8 +569,7 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
             f"{st['recompute']}, {st['attention']} attention, routing {st['routing']}"
             + "".join(f", {kind} replaced by {name}"
                       for kind, name in st.get("replace", {}).items()))
-    table = tabulate(rows, headers=headers, disable_numparse=True,
-                     colalign=("right",) * len(headers))
+    table = plain_table(rows, headers)
     worst = result.worst
     item, size = worst.dominant()
     where = f"stage {worst.pp_stage}" + ("" if worst.ep_rank is None else
@@ -417,12 +580,79 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
     tail = (f"Worst rank: {where}, peak {_size_label(worst.peak_bytes, units)} at step "
             f"{worst.peak_step or '-'} with {held}; "
             f"largest item: {item} ({_size_label(size, units)}).")
-    lines = [head, "", table, "", *_legend(result, units), _allocator_legend(result, units),
-             "", tail, format_verdict(get_verdict(result), units,
-                                                     getattr(result.job, "hbm", None))]
+    lines = [head, "", table, "", *_legend(result, units, keys),
+             _allocator_legend(result, units, keys)]
+    if not wide:
+        lines.append(_wide_note(result, keys))
+    verdict = get_verdict(result)
+    lines += ["", tail, format_verdict(verdict, units, getattr(result.job, "hbm", None))]
+    if hbm_from_gpu is not None:
+        from tracemem.job import GPU_MEMORY
+
+        if GPU_MEMORY[hbm_from_gpu] is None:
+            lines.append(f"HBM: --gpu {hbm_from_gpu} is sold in more than one memory size; "
+                         f"give --hbm (e.g. --hbm 80GiB) to say whether it fits.")
+        else:
+            size, source = GPU_MEMORY[hbm_from_gpu]
+            lines.append(f"HBM: --gpu {hbm_from_gpu} without --hbm: judged against {size} "
+                         f"per GPU ({source}, read as GiB; CUDA sees a little less); give "
+                         f"--hbm to set it.")
+    host = format_host_memory(verdict, units)
+    if host:  # --optimizer-cpu-offload
+        lines.append(host)
     if fits is not None:
         lines += ["", format_fits(fits, result, units)]
     return "\n".join(lines)
+
+
+def _wide_note(result, keys: list[str]) -> str:
+    """The line that names the columns the default table leaves out."""
+    every, _ = estimate_columns(result, "B", wide=True)
+    names = dict(_COLUMNS)
+    left = [names[k] for k in every if k not in keys and k != "fits"]  # host: the wide table
+    return (f"--wide adds {', '.join(left)}; --json gives every figure in bytes." if left else
+            "--json gives every figure in bytes.")
+
+
+def _flag_units(text: str) -> list[str]:
+    """``text``'s flags, each with its values: "--a 1 --b drop --c" -> ["--a 1", "--b",
+    "drop --c"] ("drop --flag": ``tracemem.frontdoors.megatron_flag_changes``' removal)."""
+    units: list[list[str]] = []
+    for token in text.split():
+        if units and (not token.startswith("--") and token != "drop" or units[-1] == ["drop"]):
+            units[-1].append(token)
+        else:
+            units.append([token])
+    return [" ".join(u) for u in units]
+
+
+def _flag_lines(text: str, width: int) -> list[str]:
+    """Command-line ``text`` in lines of at most ``width`` characters, broken only between
+    flags: a flag keeps its values on its line ("--pipeline-model-parallel-size 2"), and
+    "drop --flag" (``tracemem.frontdoors.megatron_flag_changes``' removal) stays whole; a
+    flag with its values longer than ``width`` breaks between them."""
+    pieces = []
+    for unit in _flag_units(text):  # a flag too long for a line: its values on the next
+        pieces += unit.split() if len(unit) > width else [unit]
+    lines: list[str] = []
+    for unit in pieces:
+        if lines and len(lines[-1]) + 1 + len(unit) <= width:
+            lines[-1] += " " + unit
+        else:
+            lines.append(unit)
+    return lines or [""]
+
+
+def _wrapped(rows: list[list[str]], widths: dict[int, int]) -> list[list[str]]:
+    """``rows`` with the cells of the columns ``widths`` names wrapped between flags to their
+    widths (``_flag_lines``): a row's further lines follow it, blank in the other columns."""
+    out = []
+    for row in rows:
+        parts = {i: _flag_lines(row[i], width) for i, width in widths.items()}
+        for n in range(max(len(p) for p in parts.values())):
+            out.append([(parts[i][n] if n < len(parts[i]) else "") if i in parts else
+                        (cell if n == 0 else "") for i, cell in enumerate(row)])
+    return out
 
 
 def format_fits(fits: Sequence[Any], result, units: str = "GiB") -> str:
@@ -441,19 +671,29 @@ def format_fits(fits: Sequence[Any], result, units: str = "GiB") -> str:
             f"stage ({fitting} of {len(tried)} fit"
             + ("" if fitting else "; no single change is enough") + "):")
     megatron = any(c.megatron_change for c in tried)  # the job came as Megatron arguments
-    rows = [[c.change, format_size(c.worst_peak_bytes, units), c.worst_pp_stage,
-             format_size(c.worst_needed_bytes, units), len(c.stages_over_hbm),
+    rows = [[c.change, format_size(c.worst_peak_bytes, units), str(c.worst_pp_stage),
+             format_size(c.worst_needed_bytes, units), str(len(c.stages_over_hbm)),
              "yes" if c.fits else "NO"] + ([c.megatron_change] if megatron else [])
             for c in tried]
     lines = [lead]
     if rows:
-        table = tabulate(rows, headers=["change", f"worst peak {units}", "at stage",
-                                        f"needs {units}", f"stages over {hbm}", "fits"]
-                         + (["as Megatron-LM arguments"] if megatron else []),
-                         disable_numparse=True, colalign=("left", "right", "right", "right",
-                                                          "right", "right")
-                         + (("left",) if megatron else ()))
-        lines.append(table)
+        headers = ["change", f"peak {units}", "stage", f"needs {units}", "over", "fits"] \
+            + (["as Megatron-LM arguments"] if megatron else [])
+        align = ["left"] + ["right"] * 5 + (["left"] if megatron else [])
+        # the change columns wrap (at spaces, between flags) so the table fits TABLE_WIDTH
+        rest = sum(max(len(h), *(len(r[i]) for r in rows)) + 2
+                   for i, h in enumerate(headers) if align[i] == "right")
+        room = max(24, TABLE_WIDTH - rest - 2 * megatron)  # for the one or two left columns
+        widths = {0: room}
+        if megatron:  # the change gets its longest flag, or what the Megatron column leaves
+            unit = max(len(u) for r in rows for u in _flag_units(r[0]))
+            other = max(len(u) for r in rows for u in _flag_units(r[-1]))
+            widths[0] = min(max(len(r[0]) for r in rows), max(unit, room - other, 16))
+            widths[len(headers) - 1] = max(16, room - widths[0])
+        lines.append(plain_table(_wrapped(rows, widths), headers, align))
+        lines.append(f"peak: the worst rank's peak after the change, at that stage; needs: the "
+                     f"most a rank needs (reserved + non-PyTorch memory); over: stages over "
+                     f"{hbm}.")
     notes = sorted({c.note for c in tried if c.note})
     lines += [f"({note})" for note in notes]
     lines += [f"Not tried: {c.change}: {c.skipped}" for c in skipped]

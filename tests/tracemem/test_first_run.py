@@ -74,7 +74,7 @@ def test_stage_ranks_follow_megatrons_order():
 
 
 def test_the_table_explains_itself(tiny):
-    out = format_estimate(tiny, units="MiB")
+    out = format_estimate(tiny, units="MiB", wide=True)
     lines = out.splitlines()
     header = next(line for line in lines if line.strip().startswith("stage"))
     assert header.split()[:4] == ["stage", "ranks", "EP", "rank"] and "at step" in header
@@ -99,8 +99,12 @@ def test_the_table_explains_itself(tiny):
 def test_ep_rank_dash_is_explained_under_expert_parallelism():
     result = estimate("deepseek-tiny", world_size=4, ep=4, pp=1, micro_batch_size=2,
                       seq_length=32, num_microbatches=2, experts="sequential")
+    # the wide table has the EP rank column, "-" in every row; the default none, one row a stage
     assert ('EP rank "-": the stage\'s 4 EP ranks hold the same under balanced routing, so '
-            "one traced rank stands for all.") in format_estimate(result).splitlines()
+            "one traced rank stands for all.") in format_estimate(result, wide=True).splitlines()
+    assert ("EP ranks: the stage's 4 EP ranks hold the same under balanced routing, so one "
+            "traced rank stands for all (one row per stage).") in format_estimate(
+                result).splitlines()
 
 
 def test_ep_rank_rows_and_dash_are_explained_under_skewed_routing():
@@ -158,11 +162,17 @@ def test_verdict_counts_the_stages_over_hbm(tiny):
         "give --hbm (e.g. 80GiB) to say whether it fits.")
 
 
-def test_what_fits_re_estimates_each_change(tiny):
+@pytest.fixture(scope="module")
+def fitted(tiny):
+    """The tiny job over an HBM between its stages' needs, and its what-fits candidates."""
+    base = estimate("deepseek-tiny", **dict(TINY, hbm=f"{_between(tiny)}B"))
+    return base, what_fits(base)
+
+
+def test_what_fits_re_estimates_each_change(tiny, fitted):
     hbm = _between(tiny)
     kwargs = dict(TINY, hbm=f"{hbm}B")
-    base = estimate("deepseek-tiny", **kwargs)
-    candidates = what_fits(base)
+    base, candidates = fitted
     by_change = {c.change: c for c in candidates}
     assert set(by_change) == {
         "--recompute selective", "--recompute full",
@@ -372,10 +382,11 @@ def test_under_skewed_routing_each_stage_lists_its_worst_class_first(tiny):
     for r in tiny.ranks:
         ranks += [replace(r, ep_rank=0, ep_ranks=(0,), peak_bytes=r.peak_bytes - 2**20),
                   replace(r, ep_rank=1, ep_ranks=(1, 3))]
-    text = format_estimate(replace(tiny, ranks=ranks), units="B")
+    text = format_estimate(replace(tiny, ranks=ranks), units="B", wide=True)
     rows = [line.split() for line in text.splitlines()
             if line.strip()[:1].isdigit() and len(line.split()) > 10]
-    # stage, ranks, EP rank, ..., peak (4th from the end: peak, at step, reserved, frag.)
+    # the wide table: stage, ranks, EP rank, ..., peak (4th from the end: peak, at step,
+    # reserved, frag.)
     assert [(row[0], row[2], int(row[-4].replace(",", ""))) for row in rows] == [
         (str(r.pp_stage), "1,3" if r.ep_rank == 1 else "0", r.peak_bytes)
         for stage in (0, 1) for r in ranks[2 * stage:2 * stage + 2][::-1]]
@@ -395,3 +406,330 @@ def test_make_demo_installs_the_runtime_and_make_test_the_extras():
     assert "-e '.[test,megatron,ray]'" in extras
     readme = (ROOT / "README.md").read_text()
     assert "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make demo" in readme
+
+
+# issue 26, what was left: tables that fit 100 columns, the plot per rank class, and the
+# numbers that surprised a first user, each explained where it is printed
+
+def _table_lines(text):
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("stage "))
+    end = lines.index("", start)
+    return lines[start:end]
+
+
+def test_the_default_table_fits_100_columns_and_wide_has_every_column(tiny):
+    narrow = format_estimate(tiny, units="MiB")
+    table = _table_lines(narrow)
+    # the columns a user needs first; EP 1 here, one row per stage: no EP rank column
+    assert table[0].split() == ["stage", "ranks", "params", "grads", "optimizer",
+                                "activations", "in-flight", "peak", "at", "step", "reserved"]
+    assert max(len(line) for line in table) <= 100
+    assert "--wide adds EP rank, comm, temporaries, frag.; --json gives every figure in bytes." \
+        in narrow.splitlines()
+    # the legend explains the columns shown, and only those: frag. is --wide's
+    assert "frag.:" not in narrow and "reserved: max_memory_reserved" in narrow
+    wide = format_estimate(tiny, units="MiB", wide=True)
+    assert _table_lines(wide)[0].split() == [
+        "stage", "ranks", "EP", "rank", "params", "grads", "optimizer", "activations",
+        "in-flight", "comm", "temporaries", "peak", "at", "step", "reserved", "frag."]
+    assert "frag.: reserved - allocated" in wide and "--wide adds" not in wide
+
+
+def test_a_table_still_too_wide_drops_the_step_column_first(tiny):
+    from dataclasses import replace
+
+    # EP-rank classes (as skewed routing makes them) add the EP rank column, and in bytes
+    # with separators the figures are 7-10 characters: 106 columns with "at step", which goes
+    # first (the worst rank's line below the table still names the step)
+    ranks = [replace(r, ep_rank=1, ep_ranks=(1, 3)) for r in tiny.ranks]
+    result = replace(tiny, ranks=ranks)
+    text = format_estimate(result, units="B")
+    header = _table_lines(text)[0]
+    assert "at step" not in header and "ranks" in header and "in-flight" in header
+    assert "EP rank" in header and max(len(line) for line in _table_lines(text)) <= 100
+    assert "at step" in _table_lines(format_estimate(result, units="B", wide=True))[0]
+    assert "at step" in _table_lines(format_estimate(tiny, units="B"))[0]  # no EP column
+    assert "step: the schedule step running at the peak" in text
+    assert f"at step {tiny.worst.peak_step}" in text
+
+
+def test_host_memory_is_a_wide_column_only_when_a_rank_has_some(tiny):
+    from dataclasses import replace
+
+    # 3 MiB and 5 MiB of host memory (--optimizer-cpu-offload), put on the ranks by hand
+    ranks = [replace(r, host_bytes=(3 + 2 * r.pp_stage) * 2**20) for r in tiny.ranks]
+    wide = format_estimate(replace(tiny, ranks=ranks), units="MiB", wide=True)
+    table = _table_lines(wide)
+    assert table[0].split()[-1] == "host"
+    assert [row.split()[-1] for row in table[2:]] == ["3.00", "5.00"]
+    assert "host: host (CPU) memory of the rank under --optimizer-cpu-offload" in wide
+    assert "host" not in _table_lines(format_estimate(tiny, units="MiB", wide=True))[0]
+    assert "host" not in _table_lines(format_estimate(replace(tiny, ranks=ranks),
+                                                      units="MiB"))[0]
+
+
+def test_the_what_fits_table_fits_100_columns(fitted):
+    base, candidates = fitted
+    text = format_estimate(base, units="MiB", fits=candidates)
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("change "))
+    end = next(i for i, line in enumerate(lines) if line.startswith("peak: the worst rank's"))
+    assert lines[start].split() == ["change", "peak", "MiB", "stage", "needs", "MiB", "over",
+                                    "fits"]
+    assert max(len(line) for line in lines[start:end]) <= 100
+    # every change tried is a row (a long one wraps at a space onto the next line)
+    assert sum(line.startswith("--") for line in lines[start + 2:end]) == 6
+
+
+def test_peak_and_allocated_peak_say_what_each_is(tiny):
+    text = format_estimate(tiny, units="MiB")
+    # the table's peak: storages rounded to 512 B; max_memory_allocated: whole blocks
+    assert ("peak: the storages alive at the rank's peak, each rounded to --rounding (512 B); "
+            "the simulated allocator's max_memory_allocated also counts the unsplit remainders "
+            "of the blocks it hands out, so it can be a little higher (--json "
+            "allocated_peak_bytes; --plot's \"allocated peak\").") in text.splitlines()
+    for r in tiny.ranks:
+        assert r.allocated_peak_bytes >= r.peak_bytes
+
+
+def _timeline(label, scale):
+    from tracemem.memory.timeline import AllocatorReplay
+
+    # one 12 MiB parameter (own segment), then a 3 MiB activation in a 20 MiB segment, freed
+    r = AllocatorReplay()
+    r.step("0F0")
+    r.alloc("w", 12 * scale * 2**20, "parameter", "layers.0", "static")
+    r.alloc("x", 3 * 2**20, "activation", "layers.0.mlp", "aten.mm.default")
+    r.step("0B0")
+    r.free("x")
+    return r.timeline(label)
+
+
+def test_more_rank_classes_than_a_figure_holds_give_an_overview_and_one_file_each(tmp_path):
+    from PIL import Image
+
+    from tracemem.memory.plot import MAX_PANELS, detail_paths, plot_timelines
+
+    few = [_timeline(f"stage {i}", 1) for i in range(MAX_PANELS)]
+    assert detail_paths(few, tmp_path / "m.png") == []  # 4 panels: one figure, as before
+    many = [_timeline(f"stage {i}", 1 + i) for i in range(4)] + [
+        _timeline("stage 4, EP ranks 0-2", 1)]
+    path = tmp_path / "m.png"
+    fig = plot_timelines(many, path, hbm_bytes=80 * 2**30, units="GiB")
+    details = detail_paths(many, path)
+    assert [p.name for p in details] == [f"m-stage-{i}.png" for i in range(4)] + [
+        "m-stage-4-ep-ranks-0-2.png"]
+    assert all(p.stat().st_size > 1000 for p in [path, *details])
+    # readable sizes at 110 dpi: the overview 12 x (0.32 x 5 + 1.8) in, a detail 12 x 3.6 in
+    assert Image.open(path).size == (1320, 374)
+    assert Image.open(details[0]).size == (1320, 396)
+    # the overview: one bar per rank class, its allocated memory at its allocated peak
+    ax = fig.axes[0]
+    bars = [p for p in ax.patches if p.get_gid() == "category:parameter"] or [
+        p for c in ax.containers if c.get_gid() == "category:parameter" for p in c]
+    assert [round(b.get_width(), 6) for b in bars] == [
+        round(12 * (1 + i) * 2**20 / 2**30, 6) for i in range(4)] + [round(12 / 1024, 6)]
+    # each detail figure is the panel as before, its title saying what allocated peak is
+    detail = fig.detail_figures[1].axes[0]
+    assert "max_memory_allocated: whole blocks" in detail.get_title(loc="left")
+    assert list({l.get_gid(): l for l in detail.get_lines()}["reserved"].get_ydata()) == \
+        [v / 2**30 for v in many[1].reserved]
+
+
+def test_the_plot_files_are_named_on_stderr(capsys, tmp_path):
+    import argparse
+    import time
+
+    from tracemem.cli import _say_written
+
+    started = time.time()
+    for name in ("p.png", "p-stage-0.png", "p-stage-1.png"):
+        (tmp_path / name).write_bytes(b"x")
+    _say_written(argparse.Namespace(snapshot=None, plot=str(tmp_path / "p.png")), started)
+    assert capsys.readouterr().err == (
+        f"tracemem: wrote the plot's overview to {tmp_path / 'p.png'} and one plot per rank "
+        f"class beside it (2): p-stage-0.png, p-stage-1.png\n")
+
+
+def test_selective_recompute_that_raises_the_peak_says_why():
+    from tracemem.advice import selective_note
+
+    kw = dict(world_size=1, micro_batch_size=1, seq_length=64, num_microbatches=1,
+              rounding=0, non_pytorch_memory="0B", hbm="1GiB")
+    none = estimate("llama-tiny", **kw)
+    selective = estimate("llama-tiny", recompute="selective", **kw)
+    # llama-tiny: 4 heads, 2 KV heads of 16, 4 layers; b 1, s 64. Per layer, selective keeps
+    # linear_qkv's whole output, v being a slice of it: 64 x (4 + 2 x 2) x 16 x 2 = 16,384 B;
+    # none keeps TE's contiguous copy of v (64 x 2 x 16 x 2 = 4,096 B), the logsumexp
+    # (4 x 64 x 4 B = 1,024 B) and the RNG state (2 x 8 = 16 B): 16,384 - 5,136 = 11,248 B
+    # more a layer, 44,992 B over the 4 layers held at the end of the forward
+    assert selective.worst.activation_bytes - none.worst.activation_bytes == 4 * 11_248
+    note = selective_note(none, selective)
+    assert note.startswith("--recompute selective raises the peak: activations 0.04 MiB more "
+                           "at stage 0; its checkpoint keeps core attention's inputs")
+    assert "a slice of linear_qkv's fused output" in note
+    assert selective_note(selective, none) == ""  # lower: nothing to explain
+    assert "recompute selective: core attention's checkpoint keeps its inputs" in \
+        format_estimate(selective)
+
+
+def test_the_approx_column_of_the_megatron_ci_board_is_explained():
+    from tracemem.validation.megatron_ci_board import BoardRow, format_board
+
+    fields = BoardRow.__dataclass_fields__
+    values = {name: 0 for name in fields} | {
+        "name": "case", "gpu": "H100", "approximations": ("--flag: what is not traced",),
+        "after_error": None, "first_error": None, "formula_error": None,
+        "measured_bytes": 2**30, "tracemem_bytes": 2**30}
+    text = format_board([BoardRow(**{k: values[k] for k in fields})], [], [])
+    assert "approx." in text.splitlines()[0]
+    assert any(line.startswith("approx.: how many of the case's Megatron-LM arguments")
+               for line in text.splitlines())
+
+
+def test_verdict_figures_are_in_the_tables_units():
+    verdict = {"pp_stages": 2, "hbm_bytes": 80 * 2**30, "stages_over_hbm": [], "fits": True,
+               "worst_pp_stage": 1, "worst_ep_rank": None, "worst_peak_bytes": 5 * 2**20,
+               "worst_needed_bytes": 6 * 2**20}
+    # 80 GiB = 81,920 MiB; spare 81,920 - 6 = 81,914 MiB
+    assert format_verdict(verdict, "MiB", "80GiB") == (
+        "Verdict: all 2 pipeline stages fit in 80 GiB (81,920 MiB); the worst is stage 1 at "
+        "5.00 MiB (81,914.00 MiB to spare).")
+    # 80 GB = 80e9 / 2^20 = 76,293.945 MiB; spare 76,293.95 - 6 = 76,287.95 MiB
+    decimal = verdict | {"hbm_bytes": 80 * 10**9}
+    assert format_verdict(decimal, "MiB", "80GB") == (
+        "Verdict: all 2 pipeline stages fit in --hbm 80GB (decimal units, 1 GB = 10^9 B; = "
+        "76,293.95 MiB); the worst is stage 1 at 5.00 MiB (76,287.95 MiB to spare).")
+
+
+@pytest.mark.parametrize("text", ["-1", "-1GiB", "0", "0.5"])
+def test_a_size_below_one_byte_is_not_read_as_a_size_without_its_unit(text):
+    from tracemem.job import parse_bytes
+
+    with pytest.raises(TracememError, match=rf"--hbm '{text}' is invalid; give a positive "
+                                            r"size of whole bytes such as 80GiB"):
+        parse_bytes(text)
+
+
+def test_gpu_without_hbm_judges_against_its_memory_and_says_so(capsys):
+    args = ["estimate", "--model", "deepseek-tiny", "--world-size", "1", "--micro-batch-size",
+            "1", "--seq-length", "16", "--num-microbatches", "1", "--quiet"]
+    assert main(args + ["--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    # NVIDIA's H100 SXM data sheet: 80GB, read as 80 GiB (tracemem.job.GPU_MEMORY)
+    assert "Verdict: the pipeline stage fits in 80 GiB (81,920 MiB)" in out
+    assert ("HBM: --gpu H100 without --hbm: judged against 80GiB per GPU (NVIDIA H100 Tensor "
+            "Core GPU data sheet, H100 SXM: 80GB, read as GiB; CUDA sees a little less); give "
+            "--hbm to set it.") in out.splitlines()
+    assert main(args + ["--gpu", "H100", "--hbm", "40GiB"]) == 0  # --hbm given: it is used
+    out = capsys.readouterr().out
+    assert "fits in 40 GiB" in out and "HBM: --gpu" not in out
+    assert main(args + ["--gpu", "A100"]) == 0  # 40 GB and 80 GB: no single size
+    assert ("HBM: --gpu A100 is sold in more than one memory size; give --hbm (e.g. --hbm "
+            "80GiB) to say whether it fits.") in capsys.readouterr().out.splitlines()
+    # a Megatron-LM job takes it too (tracemem's typed flags override a Megatron job's)
+    megatron = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+                "--max-position-embeddings 64 --micro-batch-size 1 --bf16 "
+                "--disable-bias-linear").split()
+    assert main(["estimate", "--world-size", "1", "--vocab-size", "500", "--quiet", "--gpu",
+                 "H100", "--megatron-args", *megatron]) == 0
+    assert "Verdict: the pipeline stage fits in 80 GiB" in capsys.readouterr().out
+
+
+def test_an_ep_x_etp_error_says_etp_defaulted_to_tp():
+    from tracemem.frontdoors import megatron_job
+
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-experts", "4",
+            "--expert-model-parallel-size", "4", "--moe-router-topk", "2", "--bf16",
+            "--disable-bias-linear"]
+    # ETP defaults to TP = 2 (arguments.py validate_args): etp 2 x ep 4 x pp 1 = 8 ranks per
+    # expert-data-parallel replica, which 4 GPUs cannot hold
+    with pytest.raises(TracememError, match=r"--world-size 4 is not a multiple of etp\(2\) \* "
+                                            r"ep\(4\) \* pp\(1\) = 8: "
+                                            r"--expert-tensor-parallel-size was not given, so "
+                                            r"it is Megatron's default, the TP size \(2"):
+        megatron_job(argv, world_size=4, vocab_size=1000)
+    job = megatron_job(argv + ["--expert-tensor-parallel-size", "1"], world_size=4,
+                       vocab_size=1000)
+    assert (job.parallel.etp, job.parallel.edp) == (1, 1)
+
+
+def test_cublas_workspace_config_has_a_flag():
+    from tracemem.cli import build_parser, job_from_args
+    from tracemem.workspaces import torch_cublas_workspace_bytes
+
+    args = build_parser().parse_args([
+        "estimate", "--model", "deepseek-tiny", "--world-size", "1", "--micro-batch-size", "1",
+        "--seq-length", "16", "--num-microbatches", "1", "--gpu", "H100",
+        "--cublas-workspace-config", ":4096:8"])
+    assert job_from_args(args).cublas_workspace_config == ":4096:8"
+    # :SIZE:COUNT = 4096 KiB x 8 (torch 2.13 CublasHandlePool.cpp parseChosenWorkspaceSize)
+    assert torch_cublas_workspace_bytes((9, 0), ":4096:8") == 4096 * 1024 * 8
+
+
+def test_long_changes_wrap_between_flags_never_inside_one():
+    from tracemem.report import _flag_lines
+
+    # Megatron-FSDP's ZeRO-3 arguments (tracemem.frontdoors.megatron_flag_changes) in 33
+    # columns: a flag keeps its value, "drop --flag" stays whole, and the one flag + value
+    # longer than the column (33 + 1 + 18) breaks between the two
+    text = ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+            "--ckpt-format fsdp_dtensor drop --use-distributed-optimizer")
+    assert _flag_lines(text, 33) == ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                     "optim_grads_params", "--ckpt-format fsdp_dtensor",
+                                     "drop --use-distributed-optimizer"]
+    assert _flag_lines("--pp 2 --num-microbatches 4", 21) == ["--pp 2",
+                                                             "--num-microbatches 4"]
+
+
+def test_crosscheck_and_inventory_fit_100_columns_by_default(capsys, monkeypatch):
+    import tracemem.crosscheck as crosscheck
+    from tracemem.inventory import format_inventory, get_inventory
+
+    # every line but the first (the job, prose) within 100 columns; --wide: the old tables
+    rows = crosscheck.korthikanti_rows(s=256, b=1)
+    monkeypatch.setattr(crosscheck, "korthikanti_rows", lambda **kw: rows)
+    assert main(["crosscheck", "--korthikanti", "--s", "256"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in out[1:]) <= 100
+    assert out[2].split() == ["#", "quantity", "formula", "traced", "%"]
+    assert any(line.startswith("[1] ") for line in out)  # row 1's reason, under the table
+    assert main(["crosscheck", "--korthikanti", "--s", "256", "--wide"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split()[-2:] == ["%", "reason"]
+    inventory = [get_inventory("deepseek-tiny", world_size=1, micro_batch_size=1,
+                               seq_length=16)]
+    out = format_inventory(inventory).splitlines()
+    assert out[2].split() == ["module", "saved", "by", "shape", "dtype", "bytes"]
+    assert max(len(line) for line in out[1:]) <= 100
+    assert format_inventory(inventory, wide=True).splitlines()[2].split()[-1] == "source"
+
+
+def test_crosscheck_schedules_puts_the_reasons_under_its_table(monkeypatch):
+    import argparse
+
+    import tracemem.crosscheck as crosscheck
+    from tracemem.cli import _format_schedule_rows
+    from tracemem.crosscheck import ScheduleRow
+
+    # two made-up rows (the real ones take a minute): the layout of the default table
+    fields = ScheduleRow.__dataclass_fields__
+    row = {k: 0 for k in fields} | dict(
+        schedule="dualpipev", rank=3, layers=[4, 5, 6, 7], param_bytes=11 * 2**30,
+        param_multiple=2.0, param_formula=2, inflight=17, inflight_formula=17,
+        inflight_at_peak=17, activation_bytes=55 * 2**30, peak_bytes=99 * 2**30,
+        reason="a reason " * 20, recompute="none")
+    monkeypatch.setattr(crosscheck, "schedule_rows", lambda b, s, **kw: [
+        ScheduleRow(**{k: row[k] for k in fields}),
+        ScheduleRow(**{k: (row | {"reason": ""})[k] for k in fields})])
+    args = argparse.Namespace(b=1, s=4096, json=False, wide=False, recompute="none",
+                              recompute_modules=None)
+    lines = _format_schedule_rows(args).splitlines()
+    assert max(len(line) for line in lines[1:]) <= 100
+    assert lines[2].split() == ["#", "schedule", "rank", "layers", "params", "x", "traced/T2",
+                                "held/T2", "at", "peak", "act.", "peak"]
+    assert lines[4].split() == ["1", "dualpipev", "3", "4-7", "11.00", "2.00", "/", "2",
+                                "17", "/", "17", "17", "55.00", "99.00"]
+    assert [line[:4] for line in lines if line.startswith("[")] == ["[1] "]  # row 2: none

@@ -61,14 +61,17 @@ def test_enumeration_counted_by_hand():
 
 
 def test_enumeration_schedule_rules():
-    space = SearchSpace(tp=(1,), ep=(1,), pp=(2,), recompute=("none", "full"),
+    space = SearchSpace(tp=(1,), ep=(1,), pp=(2,), recompute=("none",), zero=(1,),
                         schedule=("1f1b", "dualpipe", "zb-h1"))
+    # world 2 at PP 2: DP 1, so M = G. G = 8: every schedule takes M 8 (DualPipe: even pp, and
+    # M even and >= 2 pp = 4; DualPipe README / tracemem.schedules.dualpipe)
     layouts, rejected = enumerate_layouts(TINY, 2, 64, 8, space)
-    # DP 1, M 8: 1F1B takes both recompute modes; DualPipe (even pp, even M >= 2 pp) and
-    # ZB-H1 defer W steps, which tracemem does not trace under recompute: 2 + 1 + 1
-    assert sorted((l.schedule, l.recompute) for l in layouts) == [
-        ("1f1b", "full"), ("1f1b", "none"), ("dualpipe", "none"), ("zb-h1", "none")]
-    assert sum(rejected.values()) == 2
+    assert sorted(l.schedule for l in layouts) == ["1f1b", "dualpipe", "zb-h1"] and not rejected
+    # G = 2: M 2 < 2 pp, DualPipe alone refuses it
+    layouts, rejected = enumerate_layouts(TINY, 2, 64, 2, space)
+    assert sorted(l.schedule for l in layouts) == ["1f1b", "zb-h1"]
+    assert rejected == {"--num-microbatches 2 must be even and at least 2 * pp = 4 for "
+                        "dualpipe": 1}
 
 
 def test_search_space_errors():
@@ -121,7 +124,7 @@ def test_screen_only_skips_layouts_that_cannot_fit():
 
 
 def test_fit_rows_agree_with_estimate():
-    space = SearchSpace(tp=(1, 2), ep=(2,), pp=(1, 2), recompute=("none",),
+    space = SearchSpace(tp=(1, 2), ep=(2,), pp=(1, 2), recompute=("none",), zero=(1,),
                         schedule=("1f1b",))
     # 4 MiB for PyTorch: TP 1 / PP 1's replayed peak alone (4.3 MiB) is over (screened);
     # the others pass the screen and are simulated (one 20 MiB segment: none fits)
@@ -158,7 +161,7 @@ def test_fit_rows_agree_with_estimate():
 def test_fit_cli(capsys):
     args = ["fit", "--model", "deepseek-tiny", "--world-size", "4", "--hbm", "1GiB",
             "--seq-length", "64", "--global-batch-size", "4", "--kernels", "eager",
-            "--tp", "1", "--ep", "2", "--pp", "1,2", "--recompute", "none",
+            "--tp", "1", "--ep", "2", "--pp", "1,2", "--recompute", "none", "--zero", "1",
             "--non-pytorch-memory", "1000MiB", "--workers", "1", "--quiet"]
     assert main(args + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)

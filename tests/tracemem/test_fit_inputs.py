@@ -25,7 +25,7 @@ def test_bad_lists(text, message):
 def test_a_dense_model_gets_ep_1_by_default(monkeypatch):
     seen = {}
 
-    def record(cfg, world_size, seq_length, global_batch_size, space):
+    def record(cfg, world_size, seq_length, global_batch_size, space, **kwargs):
         seen["ep"], seen["etp"] = space.ep, space.etp
         return [], {"stopped here": 1}
 

@@ -36,10 +36,19 @@ def test_first_screen_is_commands_venv_then_the_demo_output():
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["stage", "ranks"])
     rows = [line for line in lines[header + 2:] if line.strip()[:1].isdigit()]
     assert len(rows) == 16  # one row per pipeline stage
-    order = ["Memory columns in GiB", "ranks: ", 'EP rank "-"', "grads: ", "at step: ",
-             "Verdict: ", "What would fit in 80 GiB"]
+    order = ["Memory columns in GiB", "peak: ", "ranks: ", "EP ranks: ", "grads: ",
+             "at step: ", "--wide adds ", "Verdict: ", "What would fit in 80 GiB"]
     positions = [output.index(marker) for marker in order]
     assert positions == sorted(positions) and positions[0] > output.index(rows[-1])
+    # issue 26: the tables fit a terminal of 100 columns (the estimate's and what-fits')
+    change = next(i for i, line in enumerate(lines) if line.startswith("change "))
+    end = next(i for i, line in enumerate(lines) if line.startswith("peak: the worst rank's"))
+    tables = lines[header:header + 2 + len(rows)] + lines[change:end]
+    assert end - change >= 2 + 6  # the what-fits table: its 6 changes
+    assert max(len(line) for line in tables) <= 100
+    assert lines[header].split() == ["stage", "ranks", "params", "grads", "optimizer",
+                                     "activations", "in-flight", "peak", "at", "step",
+                                     "reserved", "fits"]
     assert re.search(r"Verdict: \d+ of 16 pipeline stages exceed 80 GiB \(stages [0-9-,]+\); "
                      r"the worst is stage \d+ at [0-9.]+ GiB; the most a rank needs is [0-9.]+ GiB "
                      r"\(reserved \+ non-PyTorch memory\)\.", output)

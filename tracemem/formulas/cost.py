@@ -51,7 +51,12 @@ of the buffer per rank):
   key / value widths.
 
 Not modelled: pipeline send / receive, DP / EDP gradient reduce-scatter and parameter
-all-gather (per step, not per microbatch), overlap of communication with compute.
+all-gather (per step, not per microbatch), overlap of communication with compute, and the
+links' bandwidths. TP's bytes are treated as hidden only where they stay inside a node: ``fit``
+does not try a TP group larger than the ranks per node (``tracemem.fit.enumerate_layouts``,
+``--ranks-per-node``; in Megatron's rank order a TP group is consecutive ranks), since its
+four collectives per layer and microbatch over the inter-node network would not hide behind
+compute, and this model has no term to price them.
 """
 
 from __future__ import annotations

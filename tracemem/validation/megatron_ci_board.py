@@ -274,6 +274,9 @@ def format_board(rows: list[BoardRow], left_out: list[tuple[object, str]],
     if s["cases"]:
         lines += ["", _summary_line("Summary", s) + " (tracemem / measured - 1; GiB = 2^30 B; "
                   "ws: workspaces below the dispatcher)"]
+        lines.append("approx.: how many of the case's Megatron-LM arguments (or environment "
+                     "variables) tracemem approximates, each a known residue it does not "
+                     "trace (megatron_approximations; --json lists them per case).")
         if "after_step" in s:
             lines.append(_summary_line("After the step (mem-allocated-bytes against static "
                                        "memory + workspaces)", s["after_step"]))
