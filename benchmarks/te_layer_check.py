@@ -157,6 +157,7 @@ def _meta_call(c: Case, backend: str):
 def meta_side(c: Case, backend: str) -> dict[str, int]:
     """kept, forward peak and backward peak of the case on meta, 512-B blocks."""
     from tracemem import MemoryTracer
+    from tracemem.validation.kernel_trace import peak_of
 
     fn, inputs, externals = _meta_call(c, backend)
     tracer = MemoryTracer(rounding=ROUND)
@@ -173,15 +174,7 @@ def meta_side(c: Case, backend: str) -> dict[str, int]:
     with tracer:
         out.backward(grad)
     bwd = [e for e in tracer.events[start:] if e.phase.value != "external"]
-    return {"kept": kept, "forward peak": _peak(fwd), "backward peak": _peak(bwd)}
-
-
-def _peak(events) -> int:
-    now = peak = 0
-    for e in events:
-        now += e.nbytes if e.action == "alloc" else -e.nbytes
-        peak = max(peak, now)
-    return peak
+    return {"kept": kept, "forward peak": peak_of(fwd), "backward peak": peak_of(bwd)}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -157,8 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
         "estimate", help="peak memory of every distinct rank of a training job: trace one rank "
                          "per class on meta and replay it through the pipeline schedule")
     _add_model_flag(est)
+    from tracemem.recipes import RECIPES
+
+    est.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                     help="a published job as a whole (tracemem/recipes.py, each value "
+                          "cited): deepseek-v3 is DeepSeek-V3 as trained (arXiv 2412.19437 "
+                          "3.2-3.4); your flags override its values, and the output says "
+                          "which came from it")
     add_parallel_arguments(est)
+    next(a for a in est._actions if a.dest == "world_size").required = False  # --recipe's
     step = est.add_argument_group("training step")
+    step.add_argument("--ema", choices=("none", "host"), default="none",
+                      help="an fp32 EMA of the weights: host keeps it in CPU memory, as "
+                           "DeepSeek-V3 (0 device bytes; host bytes in the verdict) "
+                           "(default %(default)s)")
     _add_batch_flags(step)
     step.add_argument("--num-microbatches", type=int, default=None,
                       help="microbatches per step per pipeline (M); or give "
@@ -219,10 +231,36 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the GPU kind: counts the allocations below the dispatcher that "
                            "depend on it (cuBLAS workspaces per architecture, TE's dummy "
                            "weight gradients, Megatron's global memory buffer, RoPE's cache: "
-                           "tracemem/workspaces.py); default: none counted")
+                           "tracemem/workspaces.py); default: none counted. Without --hbm "
+                           "it also sets --hbm to the GPU's memory where one size is sold "
+                           "(tracemem.job.GPU_MEMORY), and the verdict says so")
+    step.add_argument("--cublas-workspace-config", default=None, metavar=":SIZE:COUNT",
+                      help="CUBLAS_WORKSPACE_CONFIG as the job sets it (e.g. :4096:8): sizes "
+                           "PyTorch's cuBLAS workspaces (with --gpu); a Megatron-LM job "
+                           "takes it from the environment variable CUBLAS_WORKSPACE_CONFIG")
     step.add_argument("--optimizer", default="fused",
                       help="the optimizer step's Adam: fused (Megatron's TE / apex FusedAdam, no "
                            "temporaries) or torch (torch.optim.Adam, foreach, traced) (default "
+                           "%(default)s)")
+    step.add_argument("--optimizer-cpu-offload", action="store_true",
+                      help="Megatron-LM's flag: the hybrid device optimizer keeps the fp32 "
+                           "masters, Adam moments and a gradient copy of "
+                           "--optimizer-offload-fraction of the optimizer's parameters on the "
+                           "host (needs --use-precision-aware-optimizer and --zero 1); the "
+                           "verdict adds the host memory per rank and per node")
+    step.add_argument("--optimizer-offload-fraction", type=float, default=1.0, metavar="F",
+                      help="with --optimizer-cpu-offload: the fraction (0 to 1) of each "
+                           "distributed optimizer's parameter elements on the host, whole "
+                           "parameters in the optimizer's order (default %(default)s, as "
+                           "Megatron-LM's)")
+    step.add_argument("--no-pin-cpu-grads", dest="pin_cpu_grads", action="store_false",
+                      help="with --optimizer-cpu-offload: the host gradient copies in pageable "
+                           "memory (pinned by default)")
+    step.add_argument("--no-pin-cpu-params", dest="pin_cpu_params", action="store_false",
+                      help="with --optimizer-cpu-offload: the host fp32 masters in pageable "
+                           "memory (pinned by default)")
+    step.add_argument("--ranks-per-node", type=int, default=8, metavar="N",
+                      help="GPUs per node, for the host memory a node needs (default "
                            "%(default)s)")
     step.add_argument("--alloc-conf", default=None, metavar="SETTINGS",
                       help="CUDA caching-allocator settings, as PYTORCH_CUDA_ALLOC_CONF: e.g. "
@@ -244,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="under --zero 3, gather each unit only at its own backward (FSDP2 "
                            "prefetches the next unit's parameters by default)")
     est.add_argument("--json", action="store_true", help="print JSON, every figure in bytes")
+    est.add_argument("--wide", action="store_true",
+                     help="every column of the table (comm, temporaries, workspaces, frag.); "
+                          "the default fits 100 columns")
     est.add_argument("--print-megatron-args", action="store_true",
                      help="print the job as Megatron-LM arguments (one flag a line) and stop")
     est.add_argument("--what-fits", action="store_true",
@@ -269,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--compare", choices=KERNEL_PROFILES, default=None,
                       help="a second profile listed after the first, with both totals")
     inv.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
+    inv.add_argument("--wide", action="store_true",
+                     help="add each tensor's source (the kernel it mirrors) as a column; the "
+                          "default fits 100 columns")
     _add_replace_flag(inv)
 
     cross = sub.add_parser(
@@ -290,6 +334,16 @@ def build_parser() -> argparse.ArgumentParser:
     cross.add_argument("--s", type=_positive_int, default=4096,
                        help="sequence length in tokens, a multiple of 2 (default 4096)")
     cross.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
+    cross.add_argument("--wide", action="store_true",
+                       help="the difference and each reason as columns of the table (the "
+                            "default fits 100 columns, the reasons under it)")
+    cross.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
+                       help="with --schedules: trace every schedule under this recompute "
+                            "(default %(default)s; Table 2's counts do not change with it)")
+    cross.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES,
+                       default=None,
+                       help="with --schedules --recompute selective: the modules (default "
+                            "core_attn; DeepSeek-V3 recomputes layernorm mla_up_proj)")
 
     static = sub.add_parser(
         "static", help="parameters, gradients and optimizer states of every pipeline stage "
@@ -312,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--case", action="append", choices=[c.name for c in CASES],
                           help="a case to run (repeatable; default: all)")
     validate.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
-    validate.add_argument("--against", choices=["cpu", "megatron-core", "megatron-ci"],
+    validate.add_argument("--against", choices=["cpu", "megatron-core", "megatron-ci",
+                                                "torchtitan"],
                           default="cpu",
                           help="cpu (default): the cases above, real CPU runs; megatron-core: "
                                "Megatron-Core's own GPTModel with tracemem's megatron-te "
@@ -321,7 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
                                "megatron-ci: Megatron-LM's measured CI runs (the scoreboard, "
                                "docs/validation.md), each job through the Megatron-LM front "
                                "door, the logged rank's max_memory_allocated against the "
-                               "golden value at iteration 2 (or the first logged after 1)")
+                               "golden value at iteration 2 (or the first logged after 1); "
+                               "torchtitan: torchtitan 0.3.0's own llama3 debugmodel under "
+                               "its own parallelize_llama (FSDP2) on meta, per part against "
+                               "tracemem's build_rank with the torch kernels")
     validate.add_argument("--ci-case", action="append", default=None, metavar="NAME",
                           help="--against megatron-ci: a case to score, by name or a part of "
                                "it (repeatable; default: every selected case)")
@@ -425,6 +483,17 @@ def _add_model_flag(parser: argparse.ArgumentParser) -> None:
                        help="Megatron-LM arguments as on a pretrain_gpt.py command line, or "
                             "@FILE (one or more per line); everything after this flag is "
                             "Megatron's, so give it last")
+    titan = parser.add_argument_group(
+        "a torchtitan 0.3.0 job, instead of --model (tracemem.frontdoors.torchtitan; needs "
+        "torchtitan importable; the world size is --world-size)")
+    titan.add_argument("--torchtitan-module", default=None, metavar="M",
+                       help="torchtitan's --module (llama3, qwen3, deepseek_v3)")
+    titan.add_argument("--torchtitan-config", nargs=argparse.REMAINDER, default=None,
+                       metavar="FN",
+                       help="torchtitan's --config (a config_registry function, such as "
+                            "llama3_debugmodel_ce_loss), then torchtitan's --section.option "
+                            "VALUE overrides; everything after it is torchtitan's, so give it "
+                            "last")
 
 
 # Job fields set by a flag whose dest has another name
@@ -451,7 +520,12 @@ def _flag_fields(args: argparse.Namespace) -> dict:
             max_ep_classes=args.max_ep_classes, rounding=args.rounding,
             deallocate_pipeline_outputs=args.deallocate, hbm=args.hbm,
             zero3_prefetch=args.zero3_prefetch, optimizer=args.optimizer,
+            optimizer_cpu_offload=args.optimizer_cpu_offload,
+            optimizer_offload_fraction=args.optimizer_offload_fraction,
+            pin_cpu_grads=args.pin_cpu_grads, pin_cpu_params=args.pin_cpu_params,
+            ranks_per_node=args.ranks_per_node, ema=args.ema,
             alloc_conf=args.alloc_conf, gpu=args.gpu,
+            cublas_workspace_config=args.cublas_workspace_config,
             **({} if args.non_pytorch_memory is None else
                {"non_pytorch_memory": args.non_pytorch_memory}))
     if hasattr(args, "space_tp"):  # tracemem fit: the settings every layout shares
@@ -492,6 +566,13 @@ def _megatron_job(args: argparse.Namespace, **fixed):
     from tracemem.job import Job
 
     megatron = args.megatron_config is not None or args.megatron_args is not None
+    if getattr(args, "torchtitan_module", None) is not None or \
+            getattr(args, "torchtitan_config", None) is not None:
+        if megatron or args.model is not None:
+            raise TracememError("a torchtitan job (--torchtitan-module / --torchtitan-config) "
+                                "describes the model; give it without --model or a Megatron-LM "
+                                "job")
+        return _torchtitan_job(args, **fixed)
     if not megatron:
         if args.model is None:
             raise TracememError("give --model (a preset or a config.json), or a Megatron-LM "
@@ -558,6 +639,38 @@ def _megatron_job(args: argparse.Namespace, **fixed):
     return Job(**(kwargs | overrides | fixed))
 
 
+def _torchtitan_job(args: argparse.Namespace, **fixed):
+    """The ``Job`` of a torchtitan job (``--torchtitan-module M --torchtitan-config FN
+    [--section.option VALUE ...]``, parsed by torchtitan's own ``ConfigManager``) on
+    ``--world-size`` GPUs, tracemem's typed flags over it (``args.overrides`` lists them).
+
+    Raises:
+        TracememError: one of the two flags missing; see ``tracemem.frontdoors.torchtitan``
+            and ``tracemem.job.Job``.
+    """
+    from tracemem.frontdoors.torchtitan import (torchtitan_approximations, torchtitan_config,
+                                                torchtitan_job_kwargs)
+    from tracemem.job import Job
+
+    if args.torchtitan_module is None or not args.torchtitan_config:
+        raise TracememError("a torchtitan job needs --torchtitan-module M and, last, "
+                            "--torchtitan-config FN [--section.option VALUE ...]")
+    function, *overrides = args.torchtitan_config
+    config = torchtitan_config(args.torchtitan_module, function, overrides)
+    kwargs = torchtitan_job_kwargs(config, world_size=getattr(args, "world_size", None))
+    args.front_door = "torchtitan"
+    args.approximations = ([] if args.command == "params" else
+                           torchtitan_approximations(config))
+    typed = _explicit(_flag_fields(args), args)
+    typed.pop("world_size", None)
+    args.overrides = sorted(name for name, value in typed.items()
+                            if name in kwargs and kwargs[name] != value)
+    if {"num_microbatches", "global_batch_size"} & set(typed):
+        kwargs["num_microbatches"] = typed.pop("num_microbatches", None)
+        kwargs["global_batch_size"] = typed.pop("global_batch_size", None)
+    return Job(**(kwargs | typed | fixed | {"origin": "torchtitan"}))
+
+
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     """The parallel-layout flags, with Megatron-LM's names where one exists."""
     from tracemem.parallel import PLANS, PRECISIONS
@@ -600,6 +713,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--zero", type=int, default=1,
                        help="ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also "
                             "parameters, over DP (dense) and EDP (experts) (default 1)")
+    group.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                       metavar="N",
+                       help="Megatron-LM's flag: N copies of the distributed optimizer across "
+                            "DP; ZeRO 1 shards over DP x CP / N and EDP / N (default 1)")
     group.add_argument("--precision", choices=PRECISIONS, default="megatron",
                        help="bytes per parameter of params / grads / optimizer states "
                             "(default %(default)s)")
@@ -645,6 +762,8 @@ def _layout_kwargs(args: argparse.Namespace) -> dict:
     return dict(tp=args.tp, sp=args.sp, cp=args.cp, ep=args.ep, etp=args.etp, pp=args.pp,
                 vpp=args.vpp, zero=args.zero, precision=args.precision, plan=args.plan,
                 **{name: getattr(args, name) for name in PRECISION_FLAGS},
+                num_distributed_optimizer_instances=getattr(
+                    args, "num_distributed_optimizer_instances", 1),
                 pp_layout=parse_layout(args.pp_layout) if args.pp_layout is not None else None,
                 pp_first_stage_layers=args.pp_first_stage_layers,
                 pp_last_stage_layers=args.pp_last_stage_layers,
@@ -744,6 +863,16 @@ def job_from_args(args: argparse.Namespace):
     if args.recompute_modules is not None and args.recompute != "selective":
         raise TracememError(f"--recompute-modules applies to --recompute selective, not "
                             f"--recompute {args.recompute}")
+    if getattr(args, "recipe", None) is not None:
+        from tracemem.recipes import recipe_job
+
+        if args.model is not None or args.megatron_args is not None \
+                or args.megatron_config is not None:
+            raise TracememError(f"--recipe {args.recipe} describes the model; give it without "
+                                f"--model or a Megatron-LM job")
+        return recipe_job(args.recipe, **_explicit(_flag_fields(args), args))
+    if args.world_size is None:
+        raise TracememError("give --world-size (the number of GPUs), or a --recipe")
     job = _megatron_job(args)
     if job is not None:
         return job
@@ -756,9 +885,19 @@ def job_from_args(args: argparse.Namespace):
 def _run_estimate(args: argparse.Namespace) -> str:
     from tracemem.estimator import TraceCache, estimate
 
+    from tracemem.job import GPU_MEMORY
+
+    hbm_source = None
+    if args.hbm is None and args.gpu in GPU_MEMORY:  # --gpu implies --hbm, where one size
+        hbm_source = args.gpu
+        if GPU_MEMORY[args.gpu] is not None:
+            args.hbm = GPU_MEMORY[args.gpu][0]
+            # as if typed: a Megatron-LM job takes tracemem's typed flags (_explicit)
+            args.given = set(getattr(args, "given", set())) | {"hbm"}
     if args.what_fits and args.hbm is None:
         raise TracememError("--what-fits needs --hbm (e.g. --hbm 80GiB): the memory to fit in")
     job = job_from_args(args)
+    args.job = job  # _override_note names the recipe's values
     if args.print_megatron_args:
         from tracemem.frontdoors import to_megatron_args
 
@@ -783,7 +922,8 @@ def _run_estimate(args: argparse.Namespace) -> str:
         progress.done()
     if args.json:
         return format_estimate_json(result, fits)
-    return format_estimate(result, units=args.units, fits=fits)
+    return format_estimate(result, units=args.units, fits=fits, wide=args.wide,
+                           hbm_from_gpu=hbm_source)
 
 
 def _say_written(args: argparse.Namespace, since: float) -> None:
@@ -800,19 +940,43 @@ def _say_written(args: argparse.Namespace, since: float) -> None:
               f"https://pytorch.org/memory_viz or with python -m torch.cuda._memory_viz",
               file=sys.stderr)
     if args.plot is not None:
-        print(f"tracemem: wrote the plot to {args.plot}", file=sys.stderr)
+        plot = Path(args.plot)  # more rank classes than one figure holds: one file each too
+        details = sorted((p for p in plot.parent.glob(f"{plot.stem}-*{plot.suffix}")
+                          if p.stat().st_mtime >= since - 1), key=lambda p: p.stat().st_mtime)
+        if details:
+            print(f"tracemem: wrote the plot's overview to {args.plot} and one plot per rank "
+                  f"class beside it ({len(details)}): {', '.join(p.name for p in details)}",
+                  file=sys.stderr)
+        else:
+            print(f"tracemem: wrote the plot to {args.plot}", file=sys.stderr)
 
 
 def _override_note(args: argparse.Namespace) -> str:
     """Lines saying which Megatron arguments tracemem's typed flags replaced and which of the
     job's arguments tracemem approximates, or ""."""
     lines = []
+    job = getattr(args, "job", None)
+    if job is not None and job.recipe is not None:
+        from tracemem.recipes import RECIPES
+
+        recipe = RECIPES[job.recipe]
+        kept = ", ".join(f"{k}={v!r}" for k, v in recipe.fields.items() if k in job.recipe_fields)
+        yours = sorted(set(recipe.fields) - set(job.recipe_fields))
+        lines.append(f"--recipe {job.recipe} ({recipe.title}; sources: tracemem/recipes.py) "
+                     f"set: {kept}" + (f"; your flags override: "
+                                       f"{', '.join(yours)}" if yours else ""))
+        lines.append("Assumed where the paper is silent:")
+        lines += [f"- {a}" for a in recipe.assumptions]
+        lines.append("Approximated (the paper's FP8 deltas from TE blockwise, not traced):")
+        lines += [f"- {a}" for a in recipe.approximations]
+    door = getattr(args, "front_door", "Megatron-LM")  # "torchtitan" from _torchtitan_job
     if getattr(args, "overrides", None):
         flags = ", ".join("--" + name.replace("_", "-") for name in args.overrides)
-        lines.append(f"tracemem's flags override the Megatron-LM job's: {flags}")
+        lines.append(f"tracemem's flags override the {door} job's: {flags}")
     if getattr(args, "approximations", None):
-        lines.append("Approximated (Megatron-LM arguments, as given or by Megatron's default, "
-                     "that change memory by what tracemem does not trace):")
+        default = "Megatron's" if door == "Megatron-LM" else f"{door}'s"
+        lines.append(f"Approximated ({door} arguments, as given or by {default} default, "
+                     f"that change memory by what tracemem does not trace):")
         lines += [f"- {note}" for note in args.approximations]
     return "\n".join(lines) + "\n\n" if lines else ""
 
@@ -834,12 +998,25 @@ def _megatron_lines(arguments: list[str]) -> str:
 
 def _add_fit_parser(sub) -> None:
     """``tracemem fit``: the search-space flags take comma-separated values."""
-    from tracemem.fit import DEFAULT_CLOSEST, ENGINES, PP_ENDS, SearchSpace
+    from tracemem.fit import (
+        DEFAULT_CLOSEST,
+        DEFAULT_RANKS_PER_NODE,
+        ENGINES,
+        MAX_DEFAULT_CANDIDATES,
+        PP_ENDS,
+        SearchSpace,
+    )
 
     d = SearchSpace()
 
     def default(name):
         value = getattr(d, name)
+        if value is None:
+            return {"tp": "the powers of two up to --ranks-per-node that divide the heads",
+                    "ep": "the powers of two that divide the routed experts; 1 if dense",
+                    "pp": "the powers of two up to half the layers",
+                    "zero": "1,3"}[name] + ", within --world-size; at most " \
+                f"{MAX_DEFAULT_CANDIDATES} candidates in all, EP then PP thinned"
         if name == "sp":
             return ",".join("on" if v else "off" for v in value)
         return ",".join(str(v) for v in value)
@@ -852,8 +1029,8 @@ def _add_fit_parser(sub) -> None:
                     "(traces shared by rank-class signature), and print those that fit in "
                     "--hbm ranked by pipeline bubble, then TP + EP + CP bytes per step "
                     "(tracemem/formulas/cost.py), and the closest that do not fit. The "
-                    "defaults of the search space suit a DeepSeek-V3-class MoE on 1,024-2,048 "
-                    "GPUs (96 layouts for DeepSeek-V3 on 2,048 GPUs).")
+                    "search space's defaults are derived from the model (heads, layers, "
+                    "experts) and --world-size, TP within a node (--ranks-per-node).")
     _add_model_flag(fit)
     job = fit.add_argument_group("job")
     job.add_argument("--world-size", type=int, required=True, help="number of GPUs N")
@@ -864,6 +1041,9 @@ def _add_fit_parser(sub) -> None:
     job.add_argument("--global-batch-size", type=int, default=None,
                      help="sequences per step G; M = G / (b x DP) must be an integer "
                           "(Megatron-LM's rule)")
+    job.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
+                     help=f"GPUs per node: no layout's TP group spans nodes (default "
+                          f"{DEFAULT_RANKS_PER_NODE}; 72 for a GB200 NVL72 rack)")
     space = fit.add_argument_group(
         "search space (comma-separated values; each restricts one dimension)")
     for flag, name, what in (
@@ -914,6 +1094,9 @@ def _add_fit_parser(sub) -> None:
                           "how much (default %(default)s)")
     run.add_argument("--top", type=int, default=20,
                      help="fitting layouts printed (default 20; --json / --csv give all)")
+    run.add_argument("--wide", action="store_true",
+                     help="every column of the tables (every layout dimension, the worst "
+                          "stage, bubble, recompute, comm); the default fits 100 columns")
     out = fit.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="every row as JSON, bytes as int")
     out.add_argument("--csv", action="store_true", help="every row as CSV, bytes as int")
@@ -939,7 +1122,8 @@ def _run_fit(args: argparse.Namespace) -> str:
     run = dict(space=space, workers=args.workers, engine=args.engine, address=args.address,
                cache_dir=args.cache_dir, closest=args.closest,
                progress=progress if show else None)
-    job = _megatron_job(args, hbm=args.hbm)
+    nodes = {} if args.ranks_per_node is None else {"ranks_per_node": args.ranks_per_node}
+    job = _megatron_job(args, hbm=args.hbm, **nodes)
     if job is not None:  # the search's dimensions replace the job's own
         result = fit(job, **run)
     else:
@@ -947,7 +1131,7 @@ def _run_fit(args: argparse.Namespace) -> str:
                      seq_length=args.seq_length, global_batch_size=args.global_batch_size,
                      attention=args.attention, kernels=args.kernels,
                      kernel_options=_kernel_options(args), precision=args.precision,
-                     alloc_conf=args.alloc_conf, origin="flags", **run,
+                     alloc_conf=args.alloc_conf, origin="flags", **run, **nodes,
                      **({} if args.non_pytorch_memory is None else
                         {"non_pytorch_memory": args.non_pytorch_memory}))
     if show:
@@ -958,7 +1142,7 @@ def _run_fit(args: argparse.Namespace) -> str:
         return format_fit_csv(result)
     if isinstance(args.top, bool) or args.top < 1:
         raise TracememError(f"--top {args.top} must be a positive integer")
-    return format_fit(result, top=args.top)
+    return format_fit(result, top=args.top, wide=args.wide)
 
 
 def _run_inventory(args: argparse.Namespace) -> str:
@@ -996,7 +1180,7 @@ def _run_inventory(args: argparse.Namespace) -> str:
                                       "op": r.op, "shape": list(r.shape), "dtype": r.dtype,
                                       "bytes": r.nbytes, "source": r.source}
                                      for r in inv.rows]} for inv in inventories], indent=2)
-    return ignored + format_inventory(inventories)
+    return ignored + format_inventory(inventories, wide=args.wide)
 
 
 def _run_crosscheck(args: argparse.Namespace) -> str:
@@ -1027,16 +1211,35 @@ def _run_crosscheck(args: argparse.Namespace) -> str:
         pct = "" if diff is None or not r.formula else f"{100 * diff / r.formula:+.1f}"
         table.append([r.quantity, "-" if r.formula is None else f"{r.formula:,}",
                       f"{r.traced:,}", "" if diff is None else f"{diff:,}", pct, r.reason])
-    return head + "\n\n" + tabulate(
-        table, headers=["quantity", "formula", "traced", "traced - formula", "%", "reason"],
-        disable_numparse=True, colalign=("left", "right", "right", "right", "right", "left"),
-        maxcolwidths=[40, None, None, None, None, 70])
+    if args.wide:
+        return head + "\n\n" + tabulate(
+            table, headers=["quantity", "formula", "traced", "traced - formula", "%", "reason"],
+            disable_numparse=True, colalign=("left", "right", "right", "right", "right", "left"),
+            maxcolwidths=[40, None, None, None, None, 70])
+    # the default fits 100 columns: each reason under the table, by its row's number
+    import textwrap
+
+    numbered = [[str(i + 1), q, f, t, p] for i, (q, f, t, _, p, _) in enumerate(table)]
+    reasons = [textwrap.fill(f"[{i + 1}] {row[5]}", 100, subsequent_indent="    ")
+               for i, row in enumerate(table) if row[5]]
+    return (head + "\n\n" + tabulate(
+        numbered, headers=["#", "quantity", "formula", "traced", "%"], disable_numparse=True,
+        colalign=("right", "left", "right", "right", "right"),
+        maxcolwidths=[None, 44, None, None, None])
+        + "\n\n%: (traced - formula) / formula (--wide: the difference and the reasons as "
+          "columns). Reasons:\n" + "\n".join(reasons))
 
 
 def _format_schedule_rows(args: argparse.Namespace) -> str:
     from tracemem.crosscheck import schedule_rows
 
-    rows = schedule_rows(b=args.b, s=args.s)
+    if args.recompute_modules is not None and args.recompute != "selective":
+        raise TracememError(f"--recompute-modules applies to --recompute selective, not "
+                            f"--recompute {args.recompute}")
+    recompute = {"recompute": args.recompute}
+    if args.recompute_modules is not None:
+        recompute["recompute_modules"] = tuple(args.recompute_modules)
+    rows = schedule_rows(b=args.b, s=args.s, **recompute)
     if args.json:
         from dataclasses import asdict
         return json.dumps([asdict(r) for r in rows], indent=2)
@@ -1049,15 +1252,33 @@ def _format_schedule_rows(args: argparse.Namespace) -> str:
     head = (f"Pipeline schedules against the DeepSeek-V3 report's Table 2 (arXiv 2412.19437) "
             f"and Qi et al. 2023 (arXiv 2401.10241): DeepSeek-V3 on the demo layout (world "
             f"1024, TP 2 + SP, PP 16, EP 8, layers 4 / 4 x 14 / 1), b={args.b}, s={args.s}, "
-            f"M=32, ZeRO-1, megatron. Parameter multiple: the rank's parameters over a mean "
+            f"M=32, ZeRO-1, megatron, recompute {rows[0].recompute}. Parameter multiple: "
+            f"the rank's parameters over a mean "
             f"stage's; in-flight: model chunks of microbatches held, the schedule's most / "
             f"Table 2's. GiB = 2^30 B. A deferred W keeps each Linear's input and output "
             f"gradient, which Table 2 does not price (docs/crosscheck.md).")
-    return head + "\n\n" + tabulate(
-        table, headers=["schedule", "rank", "layers", "params GiB", "params x (traced / "
-                        "Table 2)", "in-flight (most / Table 2)", "in-flight at peak",
-                        "activations GiB", "peak GiB", "reason"],
-        disable_numparse=True, maxcolwidths=[None] * 9 + [60])
+    if args.wide:
+        return head + "\n\n" + tabulate(
+            table, headers=["schedule", "rank", "layers", "params GiB", "params x (traced / "
+                            "Table 2)", "in-flight (most / Table 2)", "in-flight at peak",
+                            "activations GiB", "peak GiB", "reason"],
+            disable_numparse=True, maxcolwidths=[None] * 9 + [60])
+    # the default fits 100 columns: short headers, each reason under the table by its number
+    import textwrap
+
+    from tracemem.report import plain_table
+
+    numbered = [[str(i + 1), *row[:9]] for i, row in enumerate(table)]
+    reasons = [textwrap.fill(f"[{i + 1}] {row[9]}", 100, subsequent_indent="    ")
+               for i, row in enumerate(table) if row[9]]
+    return (head + "\n\n" + plain_table(
+        numbered, ["#", "schedule", "rank", "layers", "params", "x traced/T2", "held/T2",
+                   "at peak", "act.", "peak"],
+        ["right", "left", "right", "left"] + ["right"] * 6)
+        + "\n\nparams, act. (activations), peak: GiB; x traced/T2: the parameter multiple, "
+          "traced / Table 2's;\nheld/T2: in-flight chunks, the most / Table 2's; at peak: "
+          "held at the byte peak (--wide: the\nlong headers and each reason in its row). "
+          "Reasons:\n" + "\n".join(reasons))
 
 
 def _run_static(args: argparse.Namespace) -> str:
@@ -1079,8 +1300,12 @@ def _run_static(args: argparse.Namespace) -> str:
     stages = []
     for stage in range(par.pp):
         rank = stage * (par.world_size // par.pp)  # TP, DP and EP ranks are alike here
-        memory = static_memory(build_rank(cfg, par, rank, placement=where,
-                                          replace=args.replace), par)
+        model = build_rank(cfg, par, rank, placement=where, replace=args.replace)
+        memory = static_memory(model, par)
+        offload = job.optimizer_offload if job is not None else None
+        if offload is not None:  # --optimizer-cpu-offload: part of the state on the host
+            from tracemem.offload import offload_static
+            memory = offload_static(memory, model, par, offload)
         stages.append({
             "pp_stage": stage,
             "layers": [layer for chunk in par.layers_of_stage(stage, where) for layer in chunk],
@@ -1089,6 +1314,8 @@ def _run_static(args: argparse.Namespace) -> str:
             "param_bytes": memory.param_bytes, "grad_bytes": memory.grad_bytes,
             "optimizer_bytes": memory.optimizer_bytes, "buffer_bytes": memory.buffer_bytes,
             "zero3_gather_bytes": memory.zero3_gather_bytes, "total_bytes": memory.total_bytes,
+            **({"host_bytes": memory.host_bytes, "host_pinned_bytes": memory.host_pinned_bytes}
+               if offload is not None else {}),
         })
     layout = {k: getattr(par, k) for k in ("world_size", "tp", "sp", "cp", "ep", "etp", "pp",
                                           "vpp", "dp", "dp_cp", "edp", "zero", "precision",
@@ -1117,8 +1344,13 @@ def _run_static(args: argparse.Namespace) -> str:
                                     f"params {units}", f"grads {units}", f"optimizer {units}",
                                     f"ZeRO-3 gather {units}", f"total {units}"],
                      disable_numparse=True, colalign=("right",) * 9)
+    host = "" if "host_bytes" not in stages[0] else (
+        "\nHost memory of --optimizer-cpu-offload per rank, by stage: " + ", ".join(
+            f"{s['pp_stage']}: {format_size(s['host_bytes'], units)} {units} "
+            f"({format_size(s['host_pinned_bytes'], units)} {units} pinned)" for s in stages)
+        + " (not in total)")
     return (head + "\n\n" + table
-            + f"\n\n({units} = {UNIT_NOTES[units]}; one row per pipeline stage)")
+            + f"\n\n({units} = {UNIT_NOTES[units]}; one row per pipeline stage)" + host)
 
 
 def _span(layers: list[int]) -> str:
@@ -1134,6 +1366,8 @@ def _run_validate(args: argparse.Namespace) -> str:
         return _run_validate_megatron(args)
     if args.against == "megatron-ci":
         return _run_validate_ci(args)
+    if args.against == "torchtitan":
+        return _run_validate_torchtitan(args)
     if args.ci_case or args.left_out:
         raise TracememError("--ci-case and --left-out apply to --against megatron-ci")
     from tracemem.validation import compare_case, get_case
@@ -1219,6 +1453,19 @@ def _run_validate_megatron(args: argparse.Namespace) -> str:
     return out
 
 
+def _run_validate_torchtitan(args: argparse.Namespace) -> str:
+    """torchtitan as the oracle of the torch profile
+    (``tracemem.oracle.torchtitan_oracle.run_command``): exit code 1 (``args.exit_code``) on
+    any difference its residue table does not name."""
+    from tracemem.oracle.torchtitan_oracle import run_command
+
+    if args.case or args.ci_case or args.left_out:
+        raise TracememError("--case, --ci-case and --left-out do not apply to --against "
+                            "torchtitan, which runs its own layouts (docs/validation.md)")
+    out, args.exit_code = run_command(json_out=args.json)
+    return out
+
+
 def _options(parser: argparse.ArgumentParser, command: str) -> set[str]:
     """The option strings of ``command``'s flags."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -1293,8 +1540,8 @@ def _check_flag_names(parser: argparse.ArgumentParser, argv: list[str]) -> None:
                                     f"before --megatron-args (everything after that is "
                                     f"Megatron's)")
     for token in rest:
-        if token == "--megatron-args":
-            break
+        if token in ("--megatron-args", "--torchtitan-config"):
+            break  # what follows is Megatron's / torchtitan's
         name = token.split("=", 1)[0]
         if not name.startswith("--") or name == "--" or name in options:
             continue

@@ -68,6 +68,7 @@ from tracemem.job import (  # noqa: F401  (re-exported: their home was here)
 from tracemem.memory import MemoryTimeline, write_snapshot
 from tracemem.memory.plot import check_plot_path, plot_timelines
 from tracemem.memory.timeline import replay_through_allocator, step_at
+from tracemem.offload import offload_static
 from tracemem.optimizer_step import trace_optimizer_step
 from tracemem.parallel import SHARDING, ParallelConfig
 from tracemem.schedules import Placement, Step, placement
@@ -75,7 +76,7 @@ from tracemem.recompute import apply_recompute_method
 from tracemem.split_backward import backward_input
 from tracemem.static import StaticMemory, fused_wgrad_modules, is_fused_wgrad, static_memory
 from tracemem.tracer import MemoryEvent, MemoryTracer
-from tracemem.zero3 import Zero3Gathers
+from tracemem.zero3 import Zero3Gathers, pp_keeps_gathered
 
 __all__ = ["RankEstimate", "Estimate", "estimate", "parse_bytes", "Segments", "ReplayPeak",
            "TraceCache", "CachedEvent", "check_job", "Job", "RankClass", "TracedClass",
@@ -141,6 +142,9 @@ class RankEstimate:
     peak_phase: str | None = None
     ep_ranks: tuple[int, ...] = ()
     workspace_bytes: int = 0  # below the dispatcher (tracemem.workspaces; 0 without a GPU)
+    # host memory of --optimizer-cpu-offload (StaticMemory.host_bytes), not in peak_bytes
+    host_bytes: int = 0
+    host_pinned_bytes: int = 0
 
     def dominant(self) -> tuple[str, int]:
         """The largest line item at the peak."""
@@ -232,7 +236,9 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
                        dtype=torch.bfloat16, kernels=kernels, placement=where, replace=replace)
     numel_by_kind(model)  # every parameter declares its group: say so before tracing
     # ZeRO-3: every unit's all-gathers are traced events (tracemem.zero3)
-    gathers = Zero3Gathers(zero3_prefetch).install(model) if par.zero == 3 else None
+    # (not under torchtitan's PP + FSDP2: every unit stays gathered, static memory)
+    gathers = Zero3Gathers(zero3_prefetch).install(model) \
+        if par.zero == 3 and not pp_keeps_gathered(par) else None
     for module in model.modules():
         if isinstance(module, (Block, CustomBlock)):
             if isinstance(module, Block):
@@ -308,16 +314,19 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
 
 
 def _trace_step(model, tracer: MemoryTracer, par: ParallelConfig, optimizer: str,
-                segments: Segments) -> tuple[StaticMemory, Segments]:
+                segments: Segments, offload=None) -> tuple[StaticMemory, Segments]:
     """The static memory of a traced rank's ``model`` under ``par`` and its ``segments`` with
     the optimizer step after the schedule (``tracemem.optimizer_step``, replayed as step "O")
     traced on the same ``tracer``: the part of a rank's trace that depends on the ZeRO stage
     and the DP / EDP sizes. ``segments`` is not changed."""
     start = len(tracer.events)
-    trace_optimizer_step(model, par, tracer, optimizer)
+    trace_optimizer_step(model, par, tracer, optimizer, offload=offload)
     events = dict(segments.events)
     events[(0, "O", 0)] = [e for e in tracer.events[start:] if e.phase is not Phase.EXTERNAL]
-    return static_memory(model, par), Segments(events)
+    static = static_memory(model, par)
+    if offload is not None:  # --optimizer-cpu-offload: part of the state on the host
+        static = offload_static(static, model, par, offload)
+    return static, Segments(events)
 
 
 
@@ -682,7 +691,11 @@ def rank_classes(job: Job) -> list[RankClass]:
             signature = (0 in held, where.num_chunks - 1 in held, ep_rank,
                          tuple(len(c) for c in by_chunk),
                          tuple(cfg.is_moe_layer(i) for i in layers),
-                         None if job.routing == "balanced" else layers, kinds)
+                         None if job.routing == "balanced" else layers, kinds,
+                         # --first-last-layers-bf16: which layers run without FP8
+                         tuple(job.profile.bf16_layer(i, cfg.num_layers) is not job.profile
+                               for i in layers) if hasattr(job.profile, "bf16_layer")
+                         else None)
             # stages of one signature share the first one's trace (its module paths
             # included), in this call and, through the cache, in any call with the same key
             chunks = representative.setdefault(signature, by_chunk)
@@ -708,8 +721,8 @@ def trace_key(job: Job) -> tuple | None:
     return (repr(job.config), par.tp, par.sp, par.cp, par.ep, par.etp, par.plan,
             par.precision_spec.gradient_accumulation_fusion,
             # ZeRO-3's traced gathers: the unit shards (tracemem.zero3)
-            (par.zero, tuple(par.shards(r.quantity, r.kind) for r in SHARDING))
-            if par.zero == 3 else None,
+            (par.zero, tuple(par.shards(r.quantity, r.kind) for r in SHARDING),
+             pp_keeps_gathered(par)) if par.zero == 3 else None,
             job.micro_batch_size, job.seq_length, (job.routing, job.seed), job.attention,
             job.experts, job.recompute, job.recompute_modules if selective else (),
             (job.recompute_method, job.recompute_num_layers,
@@ -724,7 +737,8 @@ def step_key(job: Job) -> tuple:
     workspaces below the dispatcher, ``tracemem.workspaces``)."""
     par = job.parallel
     return (par.zero, tuple(par.shards(r.quantity, r.kind) for r in SHARDING),
-            repr(par.precision_spec), job.optimizer, job.gpu, job.cublas_workspace_config)
+            repr(par.precision_spec), job.optimizer, job.gpu, job.cublas_workspace_config,
+            job.optimizer_offload, pp_keeps_gathered(par), job.ema)
 
 
 def _finish(job: Job, model, tracer: MemoryTracer, fb: Segments) -> tuple[StaticMemory,
@@ -735,10 +749,15 @@ def _finish(job: Job, model, tracer: MemoryTracer, fb: Segments) -> tuple[Static
 
     from tracemem.workspaces import workspaces
 
-    static, segments = _trace_step(model, tracer, job.parallel, job.optimizer, fb)
+    static, segments = _trace_step(model, tracer, job.parallel, job.optimizer, fb,
+                                   job.optimizer_offload)
     kept = workspaces(model, gpu=job.gpu, kernels=job.profile, recompute=job.recompute,
                       micro_batch_size=job.micro_batch_size, seq_length=job.seq_length,
                       cublas_workspace_config=job.cublas_workspace_config)
+    if job.ema == "host":  # DeepSeek-V3's EMA in CPU memory: host bytes only
+        from tracemem.offload import ema_host_bytes
+
+        static = replace(static, host_bytes=static.host_bytes + ema_host_bytes(model))
     return replace(static, workspaces=tuple(kept)), segments
 
 
@@ -807,6 +826,7 @@ def _row_fields(traced: TracedClass) -> dict:
         temporary_bytes=live.get("temporary", 0), input_bytes=live.get("input", 0),
         zero3_gather_bytes=live.get("parameter", 0), static=static,
         workspace_bytes=static.workspace_bytes,
+        host_bytes=static.host_bytes, host_pinned_bytes=static.host_pinned_bytes,
         ep_ranks=unit.ep_ranks if unit.ep_rank is not None else ())
 
 

@@ -102,7 +102,9 @@ def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
             value = float(number) * _UNITS[unit]
         except (ValueError, OverflowError):
             value = None
-        if value is not None and unit == "B" and value == value and value < 2**20 \
+        # a small plain number reads as a size without its unit; a negative one (hbm=-1) is
+        # not a size at all, said below
+        if value is not None and unit == "B" and value == value and 1 <= value < 2**20 \
                 and not zero and text.strip()[-1:] not in "bB":
             raise TracememError(f"{flag} {text!r} is {value:g} bytes; give a unit, such as "
                                 f"{number}GB (decimal) or {number}GiB (binary)")
@@ -229,8 +231,8 @@ def check_job(par, *, micro_batch_size: int, seq_length: int, num_microbatches: 
     and ``tracemem fit`` uses to enumerate valid layouts: b, s and M positive and bounded,
     SP with TP and EP (Megatron-Core's ``ModelParallelConfig``), s divisible by CP x SP, the
     schedule's own rules (``tracemem.schedules.schedule``) and what its W steps do not yet
-    trace, and for an MoE model (``moe``) Megatron-Core's refusal of TP without SP. Returns the
-    schedule's steps per rank.
+    trace (ZeRO-3), and for an MoE model (``moe``) Megatron-Core's refusal of TP without SP.
+    Returns the schedule's steps per rank.
 
     Raises:
         TracememError: the first check that fails, naming the flag, the value and a fix.
@@ -269,11 +271,9 @@ def check_job(par, *, micro_batch_size: int, seq_length: int, num_microbatches: 
                             f"{', '.join(SCHEDULES)}")
     steps_by_rank = _schedule(schedule, par.pp, par.vpp, num_microbatches)
     if any(s.kind == "W" for steps in steps_by_rank for s in steps):
-        if recompute != "none":
-            raise TracememError(f"--schedule {schedule} defers weight gradients (W "
-                                f"steps), which tracemem does not yet trace with --recompute "
-                                f"{recompute} (checkpointed tensors unpack once); use "
-                                f"--recompute none")
+        # recompute with W steps: every checkpoint mechanism's backward splits
+        # (tracemem.split_backward: reentrant CheckpointFunction / CheckpointWithoutOutput
+        # through kernels.wgrad.inner_backward, torch.utils.checkpoint's holders read in I)
         if par.zero == 3:
             raise TracememError(f"--schedule {schedule} defers weight gradients (W "
                                 f"steps), which tracemem does not yet trace with --zero 3 "
@@ -297,11 +297,26 @@ _LAYOUT_FIELDS = ("tp", "sp", "cp", "ep", "etp", "pp", "vpp", "pp_layout",
                   "account_for_loss_in_pipeline_split", "zero", "precision", "plan",
                   "use_precision_aware_optimizer", "main_grads_dtype", "main_params_dtype",
                   "exp_avg_dtype", "exp_avg_sq_dtype", "grad_reduce_in_bf16",
-                  "store_param_remainders", "gradient_accumulation_fusion")
-ORIGINS = ("python", "flags", "megatron")
+                  "store_param_remainders", "gradient_accumulation_fusion",
+                  "num_distributed_optimizer_instances")
+ORIGINS = ("python", "flags", "megatron", "torchtitan")
+EMA_PLACES = ("none", "host")  # where an EMA of the weights lives (Job.ema)
 # GPU kinds by name -> CUDA compute capability (NVIDIA's CUDA GPUs table)
 GPUS = {"A100": (8, 0), "H100": (9, 0), "H200": (9, 0), "H800": (9, 0), "B200": (10, 0),
         "GB200": (10, 0)}
+# GPU kinds by name -> (device memory as --hbm takes it, its source), what `estimate --gpu`
+# without --hbm judges against. NVIDIA's data sheets print "80GB" for HBM built of 2^30-byte
+# stacks (5 x 16 GiB on the H100), so the figure is read as GiB: the memory the driver
+# leaves to CUDA is a little less (cudaMemGetInfo), so give --hbm for a rank near the line.
+# None: the kind is sold in more than one size.
+GPU_MEMORY = {
+    "A100": None,  # 40 GB and 80 GB (NVIDIA A100 Tensor Core GPU data sheet)
+    "H100": ("80GiB", "NVIDIA H100 Tensor Core GPU data sheet, H100 SXM: 80GB"),
+    "H200": ("141GiB", "NVIDIA H200 Tensor Core GPU data sheet, H200 SXM: 141GB"),
+    "H800": ("80GiB", "NVIDIA H800 SXM5 data sheet: 80GB"),
+    "B200": ("180GiB", "NVIDIA DGX B200 data sheet: 1,440GB total GPU memory, 8 GPUs"),
+    "GB200": ("186GiB", "NVIDIA GB200 NVL72 data sheet: up to 13.4TB HBM3e, 72 GPUs"),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -322,10 +337,14 @@ class Job:
             zero (0-3), precision (a recipe), plan, and Megatron's precision flags
             (use_precision_aware_optimizer, main_grads_dtype, main_params_dtype,
             exp_avg_dtype, exp_avg_sq_dtype, grad_reduce_in_bf16, store_param_remainders,
-            gradient_accumulation_fusion; None keeps the recipe's): ``ParallelConfig.create``.
+            gradient_accumulation_fusion; None keeps the recipe's),
+            num_distributed_optimizer_instances (Megatron's; ZeRO 1 shards over DP x CP / N):
+            ``ParallelConfig.create``.
         schedule: ``tracemem.schedules.SCHEDULES``.
         recompute ("none", "selective", "full"), recompute_modules (under selective;
-            ``modeling.common.block.RECOMPUTE_MODULES``, default core_attn),
+            ``modeling.common.block.RECOMPUTE_MODULES``, default core_attn; ``("op",)``:
+            torchtitan's op-level SelectiveAC, ``modeling.common.sac``, --kernels torch or
+            eager, CP = 1),
             recompute_method ("uniform", "block") and recompute_num_layers (under full);
             distribute_saved_activations: Megatron's --distribute-saved-activations (full
             recompute, TP > 1 without SP: each checkpoint keeps 1 / TP of its input).
@@ -337,6 +356,10 @@ class Job:
         deallocate_pipeline_outputs: Megatron's sent-output deallocation (on).
         zero3_prefetch: FSDP2's backward prefetch under ZeRO-3 (on).
         optimizer: the step's Adam, "fused" or "torch" (``tracemem.optimizer_step``).
+        optimizer_cpu_offload, optimizer_offload_fraction, pin_cpu_grads, pin_cpu_params:
+            Megatron's optimizer CPU offload (``--optimizer-cpu-offload`` and its flags;
+            ``tracemem.offload``). ranks_per_node: GPUs per node, for the host memory a node
+            needs (8).
         hbm: device memory per GPU ("80GiB"), or None; non_pytorch_memory: memory outside
             PyTorch's allocator added to the reserved peak (``NON_PYTORCH_MEMORY_DEFAULT``);
             alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` string for the simulated allocator.
@@ -348,9 +371,12 @@ class Job:
         gpu: the GPU kind (``GPUS``), what the allocations below the dispatcher depend on
             (``tracemem.workspaces``: cuBLAS workspaces per architecture); None counts none
             of them.
-        origin: the front door that built the job ("python", "flags", "megatron");
+        origin: the front door that built the job ("python", "flags", "megatron", "torchtitan");
             megatron_args: the Megatron-LM arguments as given (origin "megatron"), so answers
             can be printed in them.
+        recipe, recipe_fields: the named setup (``tracemem.recipes``) and the fields it set.
+        ema: "none", or "host": an fp32 EMA of the rank's parameters in host memory
+            (``tracemem.offload.ema_host_bytes``; 0 device bytes).
 
     Derived: ``config`` (the model, vocabulary padded), ``parallel`` (``ParallelConfig``),
     ``microbatches`` (M), ``global_batch`` (G = b x M x DP), ``steps`` (per pipeline rank),
@@ -391,6 +417,7 @@ class Job:
     grad_reduce_in_bf16: bool | None = None
     store_param_remainders: bool | None = None
     gradient_accumulation_fusion: bool | None = None
+    num_distributed_optimizer_instances: int = 1
     # the step
     schedule: str = "1f1b"
     recompute: str = "none"
@@ -412,6 +439,11 @@ class Job:
     deallocate_pipeline_outputs: bool = True
     zero3_prefetch: bool = True
     optimizer: str = "fused"
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0  # arguments.py's default (OptimizerConfig: 0.0)
+    pin_cpu_grads: bool = True
+    pin_cpu_params: bool = True
+    ranks_per_node: int = 8
     hbm: str | None = None
     non_pytorch_memory: str = NON_PYTORCH_MEMORY_DEFAULT
     alloc_conf: str | None = None
@@ -422,6 +454,12 @@ class Job:
     # where it came from
     origin: str = "python"
     megatron_args: tuple[str, ...] = ()
+    # the named setup the job came from (tracemem.recipes.recipe_job), and its fields kept
+    recipe: str | None = None
+    recipe_fields: tuple[str, ...] = ()
+    # an EMA of the weights: "none", or "host" (DeepSeek-V3's, arXiv 2412.19437 3.2.3: kept
+    # in CPU memory, 0 device bytes; its host bytes: tracemem.offload.ema_host_bytes)
+    ema: str = "none"
     # derived
     config: Any = field(init=False, repr=False, compare=False)
     parallel: Any = field(init=False, repr=False, compare=False)
@@ -434,6 +472,7 @@ class Job:
     alloc_config: Any = field(init=False, repr=False, compare=False)
     routing_model: Any = field(init=False, repr=False, compare=False)
     replacements: dict = field(init=False, repr=False, compare=False)
+    optimizer_offload: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from modeling import ModelConfig, load_config
@@ -444,6 +483,7 @@ class Job:
         from modeling.common.routing import parse_routing
         from modeling.kernels import get_profile
         from tracemem.memory import parse_alloc_conf
+        from tracemem.offload import OptimizerOffload, check_optimizer_offload
         from tracemem.optimizer_step import check_optimizer
         from tracemem.parallel import ParallelConfig
         from tracemem.recompute import check_recompute_method
@@ -512,7 +552,13 @@ class Job:
         # megatron-te's attention_backend "auto" is TE's choice per GPU architecture
         put(self, "profile", get_profile(self.kernels, gpu_arch=GPUS.get(self.gpu), **options))
         put(self, "kernel_options", dict(self.kernel_options or {}))
+        _check_op_recompute(self, par)
         check_optimizer(self.optimizer, par)
+        offload = OptimizerOffload(self.optimizer_offload_fraction, self.pin_cpu_grads,
+                                   self.pin_cpu_params) if self.optimizer_cpu_offload else None
+        check_optimizer_offload(offload, par, self.optimizer, self.profile.name)
+        put(self, "optimizer_offload", offload)
+        _positive("--ranks-per-node", self.ranks_per_node, MAX_WORLD_SIZE)
         put(self, "alloc_config", parse_alloc_conf(self.alloc_conf))
         outside = parse_bytes(self.non_pytorch_memory, "--non-pytorch-memory", zero=True)
         put(self, "non_pytorch_memory_bytes", outside)
@@ -522,6 +568,18 @@ class Job:
         put(self, "routing_model", parse_routing(self.routing, self.seed))
         put(self, "replacements", resolve_replacements(self.replace))
         put(self, "megatron_args", tuple(self.megatron_args))
+        if self.ema not in EMA_PLACES:
+            raise TracememError(f"--ema {self.ema!r} is invalid; choose one of "
+                                f"{', '.join(EMA_PLACES)}")
+        if isinstance(self.recipe_fields, str) or not isinstance(
+                self.recipe_fields, (tuple, list)) or not all(
+                isinstance(f, str) for f in self.recipe_fields):
+            raise TracememError(f"recipe_fields {self.recipe_fields!r} must be a tuple of Job "
+                                f"field names (tracemem.recipes.recipe_job sets it)")
+        if self.recipe is not None and not isinstance(self.recipe, str):
+            raise TracememError(f"--recipe {self.recipe!r} must be a recipe name "
+                                f"(tracemem.recipes.RECIPES)")
+        put(self, "recipe_fields", tuple(self.recipe_fields))
         if isinstance(self.gpu, str) and self.gpu.upper() in GPUS:
             put(self, "gpu", self.gpu.upper())  # "h100" is the H100, as the CLI takes it
         if self.gpu is not None and self.gpu not in GPUS:
@@ -574,7 +632,10 @@ class Job:
                             ("account_for_embedding_in_pipeline_split",
                              self.account_for_embedding_in_pipeline_split),
                             ("account_for_loss_in_pipeline_split",
-                             self.account_for_loss_in_pipeline_split)):
+                             self.account_for_loss_in_pipeline_split),
+                            ("--optimizer-cpu-offload", self.optimizer_cpu_offload),
+                            ("pin_cpu_grads", self.pin_cpu_grads),
+                            ("pin_cpu_params", self.pin_cpu_params)):
             if not isinstance(value, bool):
                 refuse(flag, value, "True or False")
 
@@ -650,6 +711,11 @@ class Job:
                 "zero3_prefetch": self.zero3_prefetch, "alloc_conf": self.alloc_config.text,
                 "non_pytorch_memory_bytes": self.non_pytorch_memory_bytes,
                 "optimizer": self.optimizer,
+                "optimizer_cpu_offload": self.optimizer_cpu_offload,
+                "optimizer_offload_fraction": self.optimizer_offload_fraction
+                if self.optimizer_cpu_offload else None,
+                "pin_cpu_grads": self.pin_cpu_grads, "pin_cpu_params": self.pin_cpu_params,
+                "ranks_per_node": self.ranks_per_node,
                 "replace": {kind: getattr(f, "__qualname__", repr(f))
                             for kind, f in self.replacements.items()},
                 "vocab_size": self.config.vocab_size, "origin": self.origin, "gpu": self.gpu,
@@ -675,3 +741,27 @@ def check_fields(given: Mapping[str, Any]) -> None:
         raise TracememError(f"unknown job keyword {name!r}"
                             + (f"; did you mean {close[0]!r}?" if close else
                                f"; valid: {', '.join(valid)}"))
+
+
+def _check_op_recompute(job, par) -> None:
+    """``--recompute selective --recompute-modules op`` (torchtitan's op-level
+    ``SelectiveAC``, ``modeling.common.sac``): alone, under an eager-orchestration profile,
+    and without CP, whose collectives tracemem stands in for with ops the policy cannot see
+    (``modeling.common.sac.SAC_COLLECTIVES_NOTE``).
+
+    Raises:
+        TracememError: any of these not met, naming the flag.
+    """
+    if job.recompute != "selective" or "op" not in job.recompute_modules:
+        return
+    if len(set(job.recompute_modules)) > 1:
+        raise TracememError(f"--recompute-modules op (torchtitan's op-level policy around the "
+                            f"whole layer) cannot be combined with "
+                            f"{', '.join(m for m in job.recompute_modules if m != 'op')}")
+    if job.profile.orchestration == "megatron":
+        raise TracememError(f"--recompute-modules op is torchtitan's SelectiveAC and needs "
+                            f"--kernels torch (or eager), not --kernels {job.profile.name}")
+    if par.cp > 1:
+        raise TracememError(f"--recompute-modules op with --cp {par.cp}: not modelled yet: "
+                            f"context parallelism's K / V collectives are stand-ins the op "
+                            f"policy cannot see (modeling.kernels.context_parallel); use --cp 1")

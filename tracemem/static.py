@@ -43,7 +43,7 @@ from modeling.parallel.groups import numel_by_kind
 from modeling.params import count_by_component
 from tracemem.categories import Category
 from tracemem.precision import PRECISION_RECIPES, Precision
-from tracemem.zero3 import unit_params
+from tracemem.zero3 import pp_keeps_gathered, pp_resident_bytes, unit_params
 
 __all__ = ["Precision", "PRECISION_RECIPES", "StaticMemory", "static_memory",
            "fused_wgrad_modules", "is_fused_wgrad", "MegatronBuffer", "megatron_buffers",
@@ -85,12 +85,24 @@ class StaticMemory:
         param_bytes, grad_bytes, optimizer_bytes: after ZeRO.
         buffer_bytes: persistent buffers (the router's correction bias), never sharded.
         zero3_gather_bytes: ZeRO-3 only: the largest FSDP unit's parameters all-gathered
-            (param_bytes per element, this rank's TP/EP shard of that unit: a decoder layer,
-            MTP module, the embedding or the head; ``tracemem.zero3.zero3_units``), else 0.
+            (``gathered_param_bytes`` per element, bf16, this rank's TP/EP shard of that
+            unit: a decoder layer, MTP module, the embedding or the head;
+            ``tracemem.zero3.zero3_units``), else 0.
         by_component: parameter elements held per component (``modeling.params.COMPONENTS``).
         workspaces: the allocations below the dispatcher this rank keeps
             (``tracemem.workspaces.Workspace``; empty when the job names no GPU), not in
             ``total_bytes``: ``workspace_bytes``.
+        fp8_bytes: under an FP8 recipe, TE's FP8 weight copies and scaling state kept
+            across steps (``fp8_static``); already in ``buffer_bytes``, shown apart.
+        unsharded_param_bytes, unsharded_grad_bytes: torchtitan's PP + FSDP2 only
+            (``tracemem.zero3.pp_keeps_gathered``): the stage's bf16 unsharded parameters and
+            fp32 unsharded gradient accumulators held through the step
+            (``tracemem.zero3.pp_resident_bytes``); already in ``param_bytes`` /
+            ``grad_bytes``, shown apart; ``zero3_gather_bytes`` is then 0 (nothing is
+            gathered per unit).
+        host_bytes, host_pinned_bytes: host memory (not in ``total_bytes``) of the optimizer
+            offloaded by ``--optimizer-cpu-offload`` (``tracemem.offload.offload_static``),
+            all of it and its pinned part; 0 without offload.
     """
 
     dense_params: int
@@ -102,6 +114,11 @@ class StaticMemory:
     zero3_gather_bytes: int
     by_component: dict[str, int] = field(default_factory=dict)
     workspaces: tuple = ()
+    host_bytes: int = 0
+    host_pinned_bytes: int = 0
+    unsharded_param_bytes: int = 0
+    unsharded_grad_bytes: int = 0
+    fp8_bytes: int = 0
 
     @property
     def workspace_bytes(self) -> int:
@@ -293,9 +310,13 @@ def megatron_buffers(model: nn.Module, par, *, overlap_grad_reduce: bool = False
     ``allreduce=False`` only then: extensions/transformer_engine.py ``TEGroupedLinear``).
     Buckets (distributed_data_parallel.py ``DistributedDataParallel.__init__``): one per
     buffer unless ``overlap_grad_reduce``, then ``bucket_size`` elements (default
-    max(40M, 1M x DP)), except on pipeline ranks after the first and on chunks after the
-    first (Megatron-LM training.py ``get_model``: ``disable_bucketing=model_chunk_idx > 0``);
-    a shared embedding (PP > 1 with tied embeddings or MTP) in a bucket of its own."""
+    max(40M, 1M x DP x CP): training.py ``resolve_ddp_bucket_size``), except on pipeline
+    ranks after the first and on chunks after the first (Megatron-LM training.py
+    ``get_model``: ``disable_bucketing=model_chunk_idx > 0``); a shared embedding (PP > 1 with
+    tied embeddings or MTP) in a bucket of its own. Each buffer's group is the intra-instance
+    group DDP hands it (distributed_data_parallel.py ``DistributedDataParallel.__init__``:
+    ``intra_dp_cp_group`` / ``intra_expt_dp_group``, DP x CP / N and EDP / N under
+    ``--num-distributed-optimizer-instances`` N: ``ParallelConfig.intra_group_size``)."""
     # models/common/language_module/language_module.py LanguageModule.setup_embeddings_and_
     # output_layer: with PP > 1 and tied embeddings or MTP, the first stage's word embedding
     # (when it is not also the last) and the later stage's copy (the tied head or the MTP
@@ -312,10 +333,10 @@ def megatron_buffers(model: nn.Module, par, *, overlap_grad_reduce: bool = False
         per.setdefault((_chunk_of(model, path), kind), []).append((numel, no_decay, alone))
     out = []
     for (chunk, kind), tensors in sorted(per.items()):
-        group = par.edp if kind == "expert" else par.dp_cp
+        group = par.intra_group_size("edp" if kind == "expert" else "dp_cp")
         size = None
         if overlap_grad_reduce and chunk == 0 and pp_rank == 0:
-            size = bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * par.dp)
+            size = bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * par.dp_cp)
         out.append(MegatronBuffer(chunk, kind, tuple(t[0] for t in tensors), group, size,
                                   tuple(t[1] for t in tensors), tuple(t[2] for t in tensors)))
     return out
@@ -323,12 +344,14 @@ def megatron_buffers(model: nn.Module, par, *, overlap_grad_reduce: bool = False
 
 def _dp_rank(buffer: MegatronBuffer, par, where) -> int:
     """The rank of ``where`` (``RankCoordinates``; None: rank 0) in ``buffer``'s group: EDP
-    for the expert buffer, DP x CP (CP varying faster than DP, parallel_state.py) else."""
+    for the expert buffer, DP x CP (CP varying faster than DP, parallel_state.py) else; its
+    intra-instance part under several distributed-optimizer instances (contiguous slices:
+    parallel_state.py ``initialize_model_parallel``)."""
     if where is None:
         return 0
     if buffer.kind == "expert":
-        return where.edp_rank
-    return where.dp_rank * par.cp + where.cp_rank
+        return where.edp_rank % buffer.group
+    return (where.dp_rank * par.cp + where.cp_rank) % buffer.group
 
 
 def megatron_optimizer_groups(model: nn.Module, par, rank: int | None = None, *,
@@ -353,9 +376,85 @@ def megatron_optimizer_groups(model: nn.Module, par, rank: int | None = None, *,
     return out
 
 
+def fp8_static(model: nn.Module, param_bytes: int) -> tuple[int, int]:
+    """FP8 static memory of a rank's model under the megatron-te profile's FP8 recipe: (bytes
+    kept beside the parameters, bytes the parameter buffer saves). Each TE weight in an FP8
+    layer (every ``Linear`` whose profile has an ``fp8_recipe``, the grouped experts' weights
+    per expert; not the output layer, Megatron's non-TE ``ColumnParallelLinear``) keeps:
+
+    - without ``fp8_param_gather``: its FP8 copy, TE's weight workspace
+      (``module/base.py`` ``quantize_weight`` with ``cache=True``: Megatron passes
+      ``is_first_microbatch``, extensions/transformer_engine.py ``TELinear.forward``, so
+      ``_Linear`` caches it in ``_fp8_workspaces`` across microbatches and steps), with both
+      usages (``modeling.kernels.fp8.inner_specs`` with role "weight": Hopper per-tensor 2 B
+      an element, Blackwell 1 B; MXFP8 and blockwise 2 B and their scales);
+    - with ``fp8_param_gather`` (primary FP8 weights, ``fp8_model_init``): the row-wise data
+      lives in Megatron's uint8 parameter buffer (``param_and_grad_buffer.py``: ``param_dtype
+      = torch.uint8`` for FP8 parameters), 1 B in place of ``param_bytes``; the rest of the
+      tensor (Hopper's transpose, made by ``update_usage`` and kept on the parameter;
+      blockwise's column-wise data; the scales) beside it. The uint8 buffer's own bucket
+      padding is not counted apart (an approximation: under 64 elements a parameter).
+
+    Delayed scaling adds each GEMM's fp32 ``scale`` and ``amax_history`` (``fp8_amax_history_len``
+    rows) for 3 forward and 2 backward quantisers (``module/base.py`` ``set_meta_tensor``,
+    ``quantization.py`` ``DelayedScalingRecipeState``): 20 x (len + 1) B per GEMM, counting
+    a fused ``linear_fc1`` as its two weights (40 B over)."""
+    from modeling.common.linear import Linear
+    from modeling.common.moe import GroupedExperts
+    from modeling.kernels import fp8
+
+    kept = saved = 0
+    for module in model.modules():
+        k = getattr(module, "kernels", None)
+        recipe = getattr(k, "fp8_recipe", "none")
+        if recipe == "none":
+            continue
+        if isinstance(module, Linear):
+            shapes = [tuple(module.weight.shape)]
+        elif isinstance(module, GroupedExperts):
+            shapes = [tuple(w.shape[1:]) for w in (module.w1, getattr(module, "w3", None),
+                                                   module.w2) if w is not None
+                      for _ in range(w.shape[0])]
+        else:
+            continue
+        gather = k.options["fp8_param_gather"]
+        for shape in shapes:
+            specs = fp8.inner_specs(recipe, shape, True, True, k.fp8_arch, "weight")
+            for name, (dims, dtype) in specs.items():
+                if gather and name in ("_data", "_rowwise_data"):
+                    saved += (param_bytes - 1) * math.prod(dims)
+                    continue
+                kept += math.prod(dims) * (4 if dtype.is_floating_point else 1)
+            if recipe == "delayed":
+                kept += 20 * (k.options["fp8_amax_history_len"] + 1)
+    return kept, saved
+
+
 def static_memory(model: nn.Module, par, rank: int | None = None, *,
                   overlap_grad_reduce: bool = False,
                   bucket_size: int | None = None) -> StaticMemory:
+    """``_static_memory`` plus the FP8 weight copies and scaling state (``fp8_static``) in
+    ``buffer_bytes`` / ``fp8_bytes`` and, under ``--fp8-param-gather``, the parameter
+    buffer's FP8 weights at 1 B an element."""
+    from dataclasses import replace
+
+    memory = _static_memory(model, par, rank, overlap_grad_reduce=overlap_grad_reduce,
+                            bucket_size=bucket_size)
+    kept, saved = fp8_static(model, par.precision_spec.param_bytes)
+    if not kept and not saved:
+        return memory
+    if saved and par.zero == 3:
+        from tracemem.errors import TracememError
+
+        raise TracememError("fp8_param_gather (--fp8-param-gather) under ZeRO-3 is not "
+                            "modelled yet (FP8 parameters sharded by FSDP)")
+    return replace(memory, buffer_bytes=memory.buffer_bytes + kept, fp8_bytes=kept,
+                   param_bytes=memory.param_bytes - saved)
+
+
+def _static_memory(model: nn.Module, par, rank: int | None = None, *,
+                   overlap_grad_reduce: bool = False,
+                   bucket_size: int | None = None) -> StaticMemory:
     """Static memory of a rank's model (``build_rank``) under ``par`` (a
     ``tracemem.ParallelConfig``: its zero, resolved precision ``precision_spec`` and the
     group sizes that ``tracemem.parallel.SHARDING`` names). Each parameter's group (dense or
@@ -388,13 +487,17 @@ def static_memory(model: nn.Module, par, rank: int | None = None, *,
                   if name in persistent)
     gather = 0
     if par.zero == 3:
-        gather = recipe.param_bytes * max(
+        gather = recipe.gathered_param_bytes * max(
             (sum(p.numel() for p in params) for params in unit_params(model).values()),
             default=0)
-    return StaticMemory(dense, expert, sharded(recipe.param_bytes, "parameters"),
-                        sharded(recipe.grad_bytes, "gradients"),
+    resident = (0, 0)
+    if pp_keeps_gathered(par):  # torchtitan's PP + FSDP2: gathered through the step
+        resident, gather = pp_resident_bytes(model, recipe), 0
+    return StaticMemory(dense, expert, sharded(recipe.param_bytes, "parameters") + resident[0],
+                        sharded(recipe.grad_bytes, "gradients") + resident[1],
                         sharded(recipe.optimizer_bytes, "optimizer_states"),
-                        buffers, gather, count_by_component(model, buffers=False))
+                        buffers, gather, count_by_component(model, buffers=False),
+                        unsharded_param_bytes=resident[0], unsharded_grad_bytes=resident[1])
 
 
 def _persistent_buffer_bytes(model: nn.Module) -> int:

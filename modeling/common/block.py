@@ -13,9 +13,11 @@ from modeling.common.custom import LayerContext, Replacements, build_replacement
 from modeling.kernels import KernelProfile, get_profile
 from modeling.common.attention.gqa import GQA
 from modeling.common.attention.mla import MLA
+from modeling.common.linear import Linear
 from modeling.common.mlp import MLP
 from modeling.common.moe import MoE
 from modeling.common.norm import make_norm
+from modeling.common.sac import force_recompute_shapes, op_checkpoint
 from modeling.parallel.plans import LocalSizes
 from modeling.common.routing import RoutingModel
 from tracemem.errors import TracememError
@@ -29,8 +31,10 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # the whole MoE layer, the routed experts' activation (grouped experts only), the shared
 # experts. Megatron's others (gdn_norm_out, gdp_in_proj, gdp_qkv, mhc) recompute parts of layers
 # tracemem does not model (gated delta net / product, mHC); its front door refuses them by name.
+# "op" (alone, not a Megatron name: its front door refuses it): torchtitan's SelectiveAC, the
+# op-level policy around the whole block (modeling.common.sac), under the eager orchestration
 RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "mlp", "moe", "moe_act",
-                     "shared_experts")
+                     "shared_experts", "op")
 
 
 class Block(nn.Module):
@@ -80,6 +84,17 @@ class Block(nn.Module):
         else:
             self.ffn = MLP(cfg.hidden_size, sizes.dense_inter, sizes.sp, kernels,
                            activation=cfg.hidden_act, gated=cfg.gated_mlp, bias=cfg.mlp_bias)
+        # Megatron's set_save_original_input on linear_proj (attention.py Attention.__init__)
+        # and the shared experts' linear_fc1 (shared_experts.py, unless they are recomputed:
+        # set_recompute); the profile honours it under FP8 recipes other than delayed
+        if isinstance(getattr(self.attn, "wo", None), Linear):
+            self.attn.wo.save_original_input = True
+        self._mark_shared_fc1(True)
+
+    def _mark_shared_fc1(self, save_original: bool | str) -> None:
+        shared = getattr(self.ffn, "shared_experts", None) if isinstance(self.ffn, MoE) else None
+        if shared is not None and isinstance(getattr(shared, "w1", None), Linear):
+            shared.w1.save_original_input = save_original
 
     def set_recompute(self, recompute: str, modules: frozenset[str] = frozenset(),
                       distribute_saved_activations: bool = False) -> None:
@@ -100,6 +115,9 @@ class Block(nn.Module):
         ``torch.utils.checkpoint`` (non-reentrant), the PyTorch way; ``moe_act`` there
         recomputes the SwiGLU product as ``CheckpointWithoutOutput`` does.
 
+        ``"op"`` (alone; eager and torch profiles): torchtitan 0.3.0's ``SelectiveAC``, its
+        op-level policy around the whole layer (``modeling.common.sac.op_checkpoint``).
+
         ``distribute_saved_activations`` (full only, Megatron's ``--distribute-saved-
         activations``): the checkpoint keeps 1/TP of the layer's input (``megatron_checkpoint``).
 
@@ -118,6 +136,15 @@ class Block(nn.Module):
             raise TracememError(f"--recompute-modules {', '.join(sorted(unknown))} is invalid; "
                                 f"choose from {', '.join(RECOMPUTE_MODULES)}")
         selective = frozenset(modules) if recompute == "selective" else frozenset()
+        if "op" in selective:  # torchtitan's SelectiveAC (modeling.common.sac)
+            if len(selective) > 1:
+                raise TracememError(f"--recompute-modules op (torchtitan's op-level policy, "
+                                    f"around the whole layer) cannot be combined with "
+                                    f"{', '.join(sorted(selective - {'op'}))}")
+            if self.kernels.orchestration == "megatron":
+                raise TracememError(f"--recompute-modules op is torchtitan's SelectiveAC and "
+                                    f"needs --kernels torch (or eager), not --kernels "
+                                    f"{self.kernels.name}")
         if "mla_up_proj" in selective and not isinstance(self.attn, MLA):
             kind = ("grouped-query attention" if isinstance(self.attn, GQA) else
                     f"attention {type(self.attn).__name__}")
@@ -126,6 +153,15 @@ class Block(nn.Module):
                 f"{kind}: use core_attn (or layernorm, mlp)")
         if isinstance(self.ffn, MoE):  # TransformerConfig.__post_init__'s checks
             self.ffn.set_recompute(selective)
+            # set_for_recompute_pre_mlp_layernorm (moe_layer.py): under any FP8 recipe
+            self._mark_shared_fc1("shared_experts" not in selective and (
+                "recompute" if "layernorm" in selective else True))
+        if isinstance(self.attn, MLA):  # set_for_recompute_input_layernorm
+            # (multi_latent_attention.py): the down projections read the recomputed norm
+            for name in ("wq_a", "wkv_a"):
+                if isinstance(getattr(self.attn, name, None), Linear):
+                    getattr(self.attn, name).save_original_input = (
+                        "recompute" if "layernorm" in selective else False)
         megatron = self.kernels.orchestration == "megatron"
         if distribute_saved_activations:
             if recompute != "full":
@@ -153,6 +189,9 @@ class Block(nn.Module):
                 # Megatron-Core's tensor_parallel.checkpoint (CheckpointFunction), reentrant
                 return megatron_checkpoint(self._forward, self.distribute, x, routing)
             return checkpoint(self._forward, x, routing, use_reentrant=False)
+        if "op" in self.recompute_modules:  # torchtitan's SelectiveAC._wrap_block
+            return op_checkpoint(self._forward, x, routing,
+                                 force_recompute=force_recompute_shapes(self))
         return self._forward(x, routing)
 
     def _forward(self, x: Tensor, routing: RoutingModel) -> Tensor:

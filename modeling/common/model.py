@@ -20,6 +20,7 @@ from modeling.common.custom import (
     resolve_replacements,
 )
 from modeling.kernels import KernelProfile, get_profile
+from modeling.kernels.loss import chunked_cross_entropy
 from modeling.common.linear import Linear
 from modeling.common.norm import make_norm
 from modeling.parallel.collectives import all_gather, reduce_scatter
@@ -142,8 +143,12 @@ class Transformer(nn.Module):
         if post_process:
             self.norm = make_norm(cfg, cfg.hidden_size, kernels)
             # a ZeRO-3 unit kept gathered from its forward to its backward (tracemem.zero3)
+            # the output layer is Megatron's tensor_parallel.ColumnParallelLinear, not a TE
+            # module: bf16 under FP8 (its --fp8-output-proj is refused)
+            head_kernels = kernels.without_fp8() if hasattr(kernels, "without_fp8") else kernels
             self.head = declare_fsdp_unit(Linear(cfg.hidden_size, sizes.vocab, bias=False,
-                                                 kernels=kernels, group=column("output_head")),
+                                                 kernels=head_kernels,
+                                                 group=column("output_head")),
                                           reshard_after_forward=False)
             if cfg.tie_word_embeddings and self.embed is not None:
                 self.head.weight = self.embed.weight
@@ -210,6 +215,12 @@ class Transformer(nn.Module):
             logits = self.head(hidden, "column", self.sizes.sp)  # (b, s / cp, vocab held)
         else:
             hidden = all_gather(hidden, self.sizes.sp, dim=1)  # column-parallel head
+            chunks = getattr(self.kernels, "loss_chunks", 0)
+            if chunks:  # torchtitan's ChunkedLossWrapper: head + loss per sequence chunk
+                return chunked_cross_entropy(
+                    hidden, labels, self.head,
+                    lambda logits, labels: self.kernels.loss(logits, labels, self.sizes.tp),
+                    chunks)
             logits = self.head(hidden)  # (b, s / cp, vocab held)
         return self.kernels.loss(logits, labels, self.sizes.tp)
 
@@ -243,6 +254,10 @@ def _layer(layer_id: int, cfg: ModelConfig, attention: str, experts: str, sizes:
         ctx = LayerContext(cfg, layer_id, sizes, kernels, attention,
                            cfg.is_moe_layer(layer_id), rank)
         return CustomBlock(build_replacement(replace["block"], "block", ctx), layer_id)
+    # --first-last-layers-bf16: the layer's own profile, without FP8 (Megatron fp8_utils.py
+    # get_fp8_context / is_first_last_bf16_layer)
+    if hasattr(kernels, "bf16_layer"):
+        kernels = kernels.bf16_layer(layer_id, cfg.num_layers)
     return Block(layer_id, cfg, attention, experts, sizes, kernels, replace, rank)
 
 

@@ -14,12 +14,12 @@ import torch
 from torch import Tensor, nn
 
 from modeling.kernels import activations, attention, linear, loss, moe, norm, rope, router, swiglu
-from modeling.kernels import context_parallel
+from modeling.kernels import context_parallel, fp8
 from modeling.kernels import dropout as dropouts
 from tracemem.errors import TracememError
 
-__all__ = ["KERNEL_PROFILES", "MEGATRON_TE_OPTIONS", "KernelProfile", "EagerKernels",
-           "TorchKernels", "MegatronTEKernels", "get_profile"]
+__all__ = ["KERNEL_PROFILES", "MEGATRON_TE_OPTIONS", "TORCH_OPTIONS", "KernelProfile",
+           "EagerKernels", "TorchKernels", "MegatronTEKernels", "get_profile"]
 
 KERNEL_PROFILES = ("megatron-te", "torch", "eager")
 
@@ -71,6 +71,39 @@ MEGATRON_TE_OPTIONS = {
                      "over the CP group before TE's fused attention) or p2p (TE's ring "
                      "attention, AttnFuncWithCPAndKVP2P: modeling.kernels.context_parallel); "
                      "a2a and a2a+p2p are not modelled"),
+    # FP8 (modeling.kernels.fp8): "none" stays the default, so every bf16 figure stays
+    "fp8_recipe": (fp8.FP8_RECIPES, "none",
+                   "Megatron --fp8-recipe with --fp8-format: delayed (DelayedScaling), "
+                   "tensorwise (Float8CurrentScaling), mxfp8 (MXFP8BlockScaling, Blackwell "
+                   "only), blockwise (Float8BlockScaling); none: bf16"),
+    "fp8_format": (fp8.FP8_FORMATS, "hybrid",
+                   "Megatron --fp8-format e4m3 or hybrid (E5M2 gradients): one byte a value "
+                   "either way, no byte changes"),
+    "fp8_param_gather": ((False, True), False,
+                         "Megatron --fp8-param-gather: parameters kept in FP8 (primary FP8 "
+                         "weights: no separate FP8 weight copy; tracemem.static)"),
+    "fp8_arch": (fp8.FP8_ARCHS, "auto",
+                 "the GPU's FP8 class: sm90 (Hopper: per-tensor FP8 keeps a transposed "
+                 "copy for the gradient GEMMs) or sm100 (Blackwell: one copy); auto: from "
+                 "--gpu (get_profile), sm90 when no GPU is given"),
+    "fp8_amax_history_len": (range(1, 1 << 20), 1,
+                             "Megatron --fp8-amax-history-len (default 1): delayed scaling's "
+                             "fp32 amax history per quantised tensor (tracemem.static)"),
+    "fp8_layers_at_start_in_bf16": (range(0, 1 << 20), 0,
+                                    "Megatron --first-last-layers-bf16 with "
+                                    "--num-layers-at-start-in-bf16: the first layers run "
+                                    "without FP8 (fp8_utils.is_first_last_bf16_layer)"),
+    "fp8_layers_at_end_in_bf16": (range(0, 1 << 20), 0,
+                                  "with --num-layers-at-end-in-bf16: the last layers run "
+                                  "without FP8"),
+}
+
+
+# torch options: name -> (allowed values, default, what selects it)
+TORCH_OPTIONS = {
+    "loss_chunks": (range(0, 1 << 20), 0,
+                    "torchtitan's loss: 0 CrossEntropyLoss (the whole fp32 logits), N > 0 "
+                    "ChunkedLossWrapper num_chunks N (loss.chunked_cross_entropy)"),
 }
 
 
@@ -125,6 +158,11 @@ class TorchKernels(KernelProfile):
     SDPA's fused attention, ``torch._grouped_mm``, ``F.cross_entropy`` on fp32 logits."""
 
     name = "torch"
+
+    @property
+    def loss_chunks(self) -> int:
+        """``TORCH_OPTIONS`` ``loss_chunks``: 0, or ChunkedLossWrapper's num_chunks."""
+        return self.options.get("loss_chunks", 0)
 
     def rms_norm(self, module, x):
         return norm.fused_rms_norm(module, x)
@@ -194,8 +232,68 @@ class MegatronTEKernels(KernelProfile):
         tensor before the residual add, which this eager op does, transiently."""
         return dropouts.native_dropout(x, p, training)
 
-    def linear(self, x, weights, mode="duplicated", sp=1, norm_module=None, biases=()):
-        return linear.te_linear(x, weights, mode, sp, norm_module, self.fuse_wgrad, biases)
+    @property
+    def fp8_recipe(self) -> str:
+        """The FP8 recipe the TE linears run (option ``fp8_recipe``), "none" in bf16."""
+        return self.options["fp8_recipe"]
+
+    @property
+    def fp8_arch(self) -> str:
+        """"sm90" or "sm100" (option ``fp8_arch``; "auto" resolved by ``get_profile``, and
+        here as Hopper)."""
+        arch = self.options["fp8_arch"]
+        return "sm90" if arch == "auto" else arch
+
+    @property
+    def fp8_save_original_input(self) -> bool:
+        """Whether Megatron sets ``save_original_input`` on attention's ``linear_proj`` and
+        the shared experts' ``linear_fc1`` (``attention.py`` ``Attention.__init__``,
+        ``shared_experts.py`` ``SharedExpertMLP.__init__``: FP8 with a recipe other than
+        delayed): they keep their bf16 input, not its FP8 copy."""
+        return self.fp8_recipe not in ("none", "delayed")
+
+    def without_fp8(self) -> "MegatronTEKernels":
+        """This profile in bf16 (itself when it has no FP8 recipe)."""
+        if self.fp8_recipe == "none":
+            return self
+        return type(self)(**{**self.options, "fp8_recipe": "none"})
+
+    def bf16_layer(self, layer_id: int, num_layers: int) -> "MegatronTEKernels":
+        """The profile of decoder layer ``layer_id`` (global, 0-based): this one, or this one
+        without FP8 when ``--first-last-layers-bf16`` keeps the layer in bf16 (options
+        ``fp8_layers_at_start_in_bf16`` / ``_end_``; Megatron ``fp8_utils.py``
+        ``is_first_last_bf16_layer``)."""
+        o = self.options
+        if self.fp8_recipe == "none" or not (
+                layer_id < o["fp8_layers_at_start_in_bf16"]
+                or layer_id >= num_layers - o["fp8_layers_at_end_in_bf16"]):
+            return self
+        return self.without_fp8()
+
+    def linear(self, x, weights, mode="duplicated", sp=1, norm_module=None, biases=(),
+               save_original_input=False):
+        """A TE Linear / LayerNormLinear (``linear.te_linear``), under the option
+        ``fp8_recipe``'s FP8 when one is set. ``save_original_input`` (Megatron's
+        ``set_save_original_input``, honoured under FP8 only, as TE): True where Megatron
+        sets it for recipes other than delayed (``fp8_save_original_input``); "recompute"
+        where it sets it under any FP8 recipe (``--recompute-modules layernorm``:
+        ``set_for_recompute_input_layernorm`` / ``_pre_mlp_layernorm``).
+
+        Raises:
+            TracememError: "recompute" under delayed scaling (TE's ``_linear_forward_impl``
+                raises "DelayedScaling recipe is not supported with save_original_input").
+        """
+        recipe = self.fp8_recipe
+        if save_original_input == "recompute" and recipe == "delayed":
+            raise TracememError("--recompute-modules layernorm with --fp8-recipe delayed: "
+                                "Megatron sets save_original_input on the linears after the "
+                                "recomputed norm and TE refuses it (\"DelayedScaling recipe "
+                                "is not supported with save_original_input\"); use another "
+                                "--fp8-recipe")
+        keep = recipe != "none" and (save_original_input == "recompute" or (
+            bool(save_original_input) and self.fp8_save_original_input))
+        return linear.te_linear(x, weights, mode, sp, norm_module, self.fuse_wgrad, biases,
+                                recipe, self.fp8_arch, keep)
 
     def rope(self, t, inv_freq):
         return rope.megatron_rope(t, inv_freq)
@@ -239,8 +337,45 @@ class MegatronTEKernels(KernelProfile):
             return moe.te_unpermute(x, row_id_map, tokens)
         return moe.megatron_unpermute(x, row_id_map, tokens)
 
-    def grouped_linear(self, x, weights, out_features):
-        return moe.te_grouped_linear(x, weights, out_features, self.fuse_wgrad)
+    def grouped_linear(self, x, weights, out_features, counts=None,
+                       save_original_input=False):
+        """TE GroupedLinear (``moe.te_grouped_linear``) on ``x`` sorted by expert,
+        ``counts`` rows per local expert (each quantised apart under FP8);
+        ``save_original_input``: Megatron's ``moe_act`` recompute keeps fc2's bf16 input.
+
+        Raises:
+            TracememError: ``save_original_input`` under delayed scaling (TE's
+                ``_GroupedLinear.forward`` raises "DelayedScaling recipe is not supported
+                with save_original_input").
+        """
+        if save_original_input and self.fp8_recipe == "delayed":
+            raise TracememError("--recompute-modules moe_act with --fp8-recipe delayed: "
+                                "Megatron sets save_original_input on the experts' fc2 and "
+                                "TE refuses it (\"DelayedScaling recipe is not supported "
+                                "with save_original_input\"); use another --fp8-recipe")
+        return moe.te_grouped_linear(x, weights, out_features, self.fuse_wgrad,
+                                     self.fp8_recipe, self.fp8_arch, counts,
+                                     save_original_input)
+
+    @property
+    def fp8_align(self) -> int:
+        """Rows per expert are padded to this under FP8 (Megatron ``fp8_utils.py``
+        ``get_fp8_align_size``: 32 for mxfp8, else 16)."""
+        return 32 if self.fp8_recipe == "mxfp8" else 16
+
+    def fp8_pad(self, x, probs, counts):
+        """Megatron's ``quantization_padding`` (TE ``Fp8Padding``) of the expert input ``x``
+        ``(rows, h)`` and ``probs`` ``(rows, 1)``: returns them padded and the padded counts
+        (``moe.te_fp8_pad``; unchanged when every count is aligned)."""
+        padded = [-(-c // self.fp8_align) * self.fp8_align for c in counts]
+        if padded == list(counts):
+            return x, probs, list(counts)
+        return (moe.te_fp8_pad(x, sum(padded)),
+                None if probs is None else moe.te_fp8_pad(probs, sum(padded)), padded)
+
+    def fp8_unpad(self, out, counts):
+        """TE ``Fp8Unpadding`` of the experts' output back to ``sum(counts)`` rows."""
+        return moe.te_fp8_pad(out, sum(counts))
 
     def loss(self, logits, labels, tp):
         return loss.megatron_cross_entropy(logits, labels, tp,
@@ -257,26 +392,39 @@ def get_profile(name: str | KernelProfile = "megatron-te",
     ``MEGATRON_TE_OPTIONS``; unset ones take their defaults). A profile passes through.
     ``gpu_arch``: the GPU's compute capability (``tracemem.job.GPUS``), or None: megatron-te's
     ``attention_backend`` "auto" is resolved from it (``attention.te_auto_attention_backend``)
-    and the profile keeps what it resolved to, so profiles that trace alike compare alike.
+    and the profile keeps what it resolved to, so profiles that trace alike compare alike;
+    ``fp8_arch`` "auto" likewise (``fp8.fp8_arch``).
 
     Raises:
-        TracememError: unknown profile, option or option value.
+        TracememError: unknown profile, option or option value; an FP8 recipe the GPU
+            cannot run (``fp8.check_fp8``: mxfp8 on Hopper, FP8 on an A100).
     """
     if isinstance(name, KernelProfile):
         return name
     if name not in _CLASSES:
         raise TracememError(f"--kernels {name!r} is invalid; choose one of "
                             f"{', '.join(KERNEL_PROFILES)}")
-    known = MEGATRON_TE_OPTIONS if name == "megatron-te" else {}
+    known = {"megatron-te": MEGATRON_TE_OPTIONS, "torch": TORCH_OPTIONS}.get(name, {})
     for key, value in options.items():
         if key not in known:
             raise TracememError(f"kernel option {key!r} does not apply to --kernels {name}"
                                 + (f"; options: {', '.join(known)}" if known else ""))
         allowed = known[key][0]
+        if isinstance(allowed, range):  # a count
+            if type(value) is not int or value not in allowed:
+                raise TracememError(f"kernel option {key}={value!r} is invalid; give a whole "
+                                    f"number >= {allowed.start}")
+            continue
         if value not in allowed or type(value) is not type(allowed[0]):
             raise TracememError(f"kernel option {key}={value!r} is invalid; choose one of "
                                 f"{', '.join(map(str, allowed))}")
     full = {key: options.get(key, spec[1]) for key, spec in known.items()}
+    if name == "torch":  # only what differs from the defaults: existing torch jobs unchanged
+        full = {key: value for key, value in full.items() if value != known[key][1]}
     if full.get("attention_backend") == "auto":
         full["attention_backend"] = attention.te_auto_attention_backend(gpu_arch)
+    if full.get("fp8_arch") == "auto":
+        full["fp8_arch"] = fp8.fp8_arch(gpu_arch)
+    if name == "megatron-te":
+        fp8.check_fp8(full["fp8_recipe"], full["fp8_arch"], gpu_arch)
     return _CLASSES[name](**full)

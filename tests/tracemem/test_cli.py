@@ -53,7 +53,7 @@ def test_validate_json_matches_the_real_peak(capsys):
     (["demo", "--seq-length", "0"], "argument --seq-length: 0 must be a positive integer"),
     (["validate", "--case", "nope"], "argument --case: invalid choice: 'nope'"),
     (["trace"], "argument COMMAND: invalid choice: 'trace'"),
-    (["estimate"], "the following arguments are required: --world-size"),
+    (["estimate"], "give --world-size (the number of GPUs), or a --recipe"),
     (["toy", "--tp", "2"], "error: unrecognized argument --tp (see tracemem toy --help)"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):

@@ -99,7 +99,47 @@ REFUSED_WHEN: dict[str, Callable[[argparse.Namespace], bool]] = {
         lambda ns: ns.expert_tensor_parallel_num_weight_shards
         not in (None, ns.expert_tensor_parallel_size or ns.tensor_model_parallel_size),
     "--no-pad-vocab-size": lambda ns: ns.padded_vocab_size is None,
+    # FP8 flags with no effect unless FP8 runs (--fp8-format) / the MXFP8 output layer
+    "--no-fp8-wgrad": lambda ns: ns.fp8 is not None,
+    "--fp8-output-proj": lambda ns: ns.fp8 is not None and ns.fp8_recipe == "mxfp8",
 }
+
+
+def _fp8_options(ns) -> dict:
+    """The megatron-te FP8 options of ``--fp8-format`` / ``--fp8-recipe`` (Megatron's
+    ``fp8_utils.py`` ``get_fp8_recipe``), ``--fp8-param-gather``, ``--fp8-amax-history-len``
+    and ``--first-last-layers-bf16`` with ``--num-layers-at-start-in-bf16`` /
+    ``--num-layers-at-end-in-bf16`` (``is_first_last_bf16_layer``). DeepSeek-V3's own FP8
+    scheme and torchao's Float8 are not these flags and not modelled yet.
+
+    Raises:
+        TracememError: ``--fp8-recipe custom`` (a user quantizer factory), ``--fp8-param-gather``
+            with mxfp8 (MXFP8 weights in the shared gradient buffer), FP8 under
+            ``--use-megatron-fsdp``: not modelled yet, by name.
+    """
+    if ns.fp8_recipe == "custom":
+        raise TracememError("--fp8-recipe custom is not modelled yet (a user quantizer "
+                            "factory's tensors); use delayed, tensorwise, mxfp8 or blockwise")
+    if ns.fp8_param_gather and ns.fp8_recipe == "mxfp8":
+        raise TracememError("--fp8-param-gather with --fp8-recipe mxfp8 is not modelled yet "
+                            "(MXFP8 weights share the gradient buffer: param_and_grad_buffer."
+                            "py shared_buffer)")
+    if getattr(ns, "use_megatron_fsdp", False):
+        raise TracememError("--fp8-format with --use-megatron-fsdp is not modelled yet (FP8 "
+                            "weights sharded by Megatron FSDP)")
+    if ns.fp8_param_gather:
+        _megatron(ns.use_distributed_optimizer or bool(getattr(ns, "use_torch_fsdp2", False)),
+                  "--fp8-param-gather only supported with distributed optimizer, torch fsdp2, "
+                  "megatron fsdp, or inference mode", "validate_args")
+    bf16 = bool(ns.first_last_layers_bf16)
+    # validate_args turns --fp8-param-gather off under --use-torch-fsdp2 (TE >= 2.0: "FSDP2
+    # FP8 param gather is not supported yet")
+    gather = bool(ns.fp8_param_gather) and not getattr(ns, "use_torch_fsdp2", False)
+    return {"fp8_recipe": ns.fp8_recipe, "fp8_format": ns.fp8,
+            "fp8_param_gather": gather,
+            "fp8_amax_history_len": int(ns.fp8_amax_history_len),
+            "fp8_layers_at_start_in_bf16": int(ns.num_layers_at_start_in_bf16) if bf16 else 0,
+            "fp8_layers_at_end_in_bf16": int(ns.num_layers_at_end_in_bf16) if bf16 else 0}
 
 
 def _uses_rope(ns) -> bool:
@@ -131,6 +171,8 @@ APPROXIMATIONS_WHEN: dict[str, Callable[[argparse.Namespace], bool]] = {
     "--no-create-attention-mask-in-dataloader": lambda ns: ns.create_attention_mask_in_dataloader,
     "--moe-router-load-balancing-type": lambda ns: bool(ns.num_experts) and _aux_loss(ns),
     "--log-num-zeros-in-grad": lambda ns: ns.log_num_zeros_in_grad,
+    "--overlap-cpu-optimizer-d2h-h2d": lambda ns: ns.optimizer_cpu_offload
+    and ns.overlap_cpu_optimizer_d2h_h2d,
 }
 
 
@@ -301,13 +343,14 @@ def _model_config(ns, vocab: int, tp: int, sp: bool):
         hidden_act=act, gated_mlp=gated, mlp_bias=bias, rope_theta=float(ns.rotary_base),
         num_mtp_modules=mtp)
     if mla:
-        _missing(not qkv_bias, "biases on MLA's projections (Megatron's default "
-                               "add_bias_linear); add --disable-bias-linear")
-        _missing(ns.qk_layernorm, "MLA without --qk-layernorm (no norms on the q / kv "
-                                  "latents; tracemem's MLA has them, as DeepSeek's)")
+        # multi_latent_attention.py MLASelfAttention.__init__: only linear_proj takes
+        # add_bias_linear (every down / up projection is bias=False; --add-qkv-bias has no
+        # effect); gpt_layer_specs.py: without --qk-layernorm the up projections are plain
+        # TEColumnParallelLinear (q_layernorm, kv_layernorm IdentityOp): no latent norms
         fields.update(attention="mla", num_key_value_heads=heads, q_lora_rank=ns.q_lora_rank,
                       kv_lora_rank=ns.kv_lora_rank, qk_nope_head_dim=ns.qk_head_dim,
-                      qk_rope_head_dim=ns.qk_pos_emb_head_dim, v_head_dim=ns.v_head_dim)
+                      qk_rope_head_dim=ns.qk_pos_emb_head_dim, v_head_dim=ns.v_head_dim,
+                      o_bias=bias, mla_latent_norms=bool(ns.qk_layernorm))
     else:
         groups = ns.num_query_groups if ns.group_query_attention else heads
         fields.update(attention="gqa", num_key_value_heads=groups, head_dim=kv_channels,
@@ -499,6 +542,16 @@ def _recompute(ns, mla: bool) -> dict[str, Any]:
     return out
 
 
+def _optimizer_offload(ns) -> dict[str, Any]:
+    """The Job's optimizer CPU offload fields from ``--optimizer-cpu-offload`` and its flags
+    (tracemem.offload); none without it (the flags have no effect then)."""
+    if not ns.optimizer_cpu_offload:
+        return {}
+    return {"optimizer_cpu_offload": True,
+            "optimizer_offload_fraction": ns.optimizer_offload_fraction,
+            "pin_cpu_grads": bool(ns.pin_cpu_grads), "pin_cpu_params": bool(ns.pin_cpu_params)}
+
+
 def _zero(ns) -> int:
     if ns.use_megatron_fsdp:
         strategy = ns.data_parallel_sharding_strategy
@@ -618,6 +671,14 @@ def megatron_job_kwargs(argv, *, env: Mapping[str, str] | None = None,
                            if ns.expert_tensor_parallel_size is None else "")
                         + " with --expert-model-parallel-size 1 (expert tensor parallelism "
                           "without expert parallelism); give --expert-tensor-parallel-size 1")
+    if experts and ns.expert_tensor_parallel_size is None and etp > 1 \
+            and isinstance(world, int) and world % (etp * ep * pp):
+        # ParallelConfig's own message names etp(2) but not where the 2 came from
+        raise TracememError(
+            f"--world-size {world} is not a multiple of etp({etp}) * ep({ep}) * pp({pp}) = "
+            f"{etp * ep * pp}: --expert-tensor-parallel-size was not given, so it is "
+            f"Megatron's default, the TP size ({tp}; arguments.py validate_args); give "
+            f"--expert-tensor-parallel-size 1 or a size that makes EDP an integer")
     if cp > 1:
         _megatron(ns.seq_length % (2 * cp) == 0, "seq-length should be a multiple of 2 * "
                                                  "context-parallel-size if "
@@ -684,6 +745,8 @@ def megatron_job_kwargs(argv, *, env: Mapping[str, str] | None = None,
             moe_token_dispatcher=("allgather" if ns.moe_token_dispatcher_type == "allgather"
                                   else "alltoall"),
             moe_router_dtype="fp32" if ns.moe_router_dtype == "fp32" else "input")
+    if ns.fp8 is not None:  # --fp8-format: TE's FP8 recipes (modeling.kernels.fp8)
+        kernel_options.update(_fp8_options(ns))
     if cp_comm_type == "p2p":  # allgather is the profile's default: left unset
         kernel_options["cp_comm_type"] = "p2p"
     if backend == "flash":  # TE's FlashAttention backend (unfused is the attention kind
@@ -703,6 +766,7 @@ def megatron_job_kwargs(argv, *, env: Mapping[str, str] | None = None,
             bool(ns.account_for_embedding_in_pipeline_split),
         "account_for_loss_in_pipeline_split": bool(ns.account_for_loss_in_pipeline_split),
         "zero": _zero(ns), "precision": "megatron", "plan": "megatron",
+        "num_distributed_optimizer_instances": ns.num_distributed_optimizer_instances,
         "use_precision_aware_optimizer": bool(ns.use_precision_aware_optimizer),
         "main_grads_dtype": ns.main_grads_dtype, "main_params_dtype": ns.main_params_dtype,
         "exp_avg_dtype": ns.exp_avg_dtype, "exp_avg_sq_dtype": ns.exp_avg_sq_dtype,
@@ -716,7 +780,7 @@ def megatron_job_kwargs(argv, *, env: Mapping[str, str] | None = None,
         # transformer_engine_spec / get_moe_module_spec_for_backend)
         "experts": ("grouped" if ns.moe_grouped_gemm else "sequential") if experts else "auto",
         "kernels": "megatron-te", "kernel_options": kernel_options,
-        "routing": "balanced", "optimizer": "fused",
+        "routing": "balanced", "optimizer": "fused", **_optimizer_offload(ns),
         "deallocate_pipeline_outputs": True,  # core_transformer_config_from_args sets it
         "alloc_conf": env.get("PYTORCH_CUDA_ALLOC_CONF"),
         "cublas_workspace_config": env.get("CUBLAS_WORKSPACE_CONFIG"),
@@ -848,7 +912,9 @@ _GROUP_FLAGS: dict[str, tuple[str, ...]] = {
     "global_batch_size": ("--global-batch-size", "--decrease-batch-size-if-needed"),
     "seq_length": ("--seq-length", "--encoder-seq-length"),
     "zero": ("--use-distributed-optimizer", "--use-megatron-fsdp",
-             "--data-parallel-sharding-strategy"),
+             "--data-parallel-sharding-strategy", "--num-distributed-optimizer-instances"),
+    "optimizer_offload": ("--optimizer-cpu-offload", "--optimizer-offload-fraction",
+                          "--no-pin-cpu-grads", "--no-pin-cpu-params"),
     "precision": ("--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32",
                   "--no-gradient-accumulation-fusion", "--use-precision-aware-optimizer",
                   "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
@@ -910,8 +976,8 @@ def _model_args(cfg, divisible_by, experts: str = "grouped") -> tuple[list[str],
         a += ["--kv-channels", str(cfg.head_dim)]
     a += ["--hidden-dropout", _num(cfg.hidden_dropout), "--attention-dropout",
           _num(cfg.attention_dropout), "--norm-epsilon", _num(cfg.rms_norm_eps)]
-    if cfg.is_mla:
-        bias = (False, False, cfg.mlp_bias)
+    if cfg.is_mla:  # add_bias_linear sets linear_proj's bias (and --add-qkv-bias, unused)
+        bias = (cfg.o_bias, cfg.o_bias, cfg.mlp_bias)
     else:
         bias = (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias)
     if bias == (False, False, False):
@@ -921,7 +987,7 @@ def _model_args(cfg, divisible_by, experts: str = "grouped") -> tuple[list[str],
     elif bias != (True, True, True):
         no(f"biases qkv={bias[0]} o={bias[1]} mlp={bias[2]}")
     a += ["--normalization", {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[cfg.normalization]]
-    if cfg.is_mla or cfg.qk_norm:
+    if (cfg.is_mla and cfg.mla_latent_norms) or (not cfg.is_mla and cfg.qk_norm):
         a += ["--qk-layernorm"]
     if cfg.is_mla:
         a += ["--multi-latent-attention"]
@@ -1104,9 +1170,11 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
 
     def zero():
         fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+        n = f.get("num_distributed_optimizer_instances") or 1
         return {0: [], 1: ["--use-distributed-optimizer"],
                 2: [*fsdp, "optim_grads", "--ckpt-format", "fsdp_dtensor"],
-                3: [*fsdp, "optim_grads_params", "--ckpt-format", "fsdp_dtensor"]}[f["zero"]]
+                3: [*fsdp, "optim_grads_params", "--ckpt-format", "fsdp_dtensor"]}[f["zero"]] \
+            + (["--num-distributed-optimizer-instances", str(n)] if n > 1 else [])
 
     def precision():
         if f["optimizer"] != "fused":
@@ -1152,6 +1220,11 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
         "seq_length": lambda: [] if f["seq_length"] is None else [
             "--seq-length", str(f["seq_length"])],
         "zero": zero, "precision": precision,
+        "optimizer_offload": lambda: [] if not f.get("optimizer_cpu_offload") else [
+            "--optimizer-cpu-offload", "--optimizer-offload-fraction",
+            _num(f.get("optimizer_offload_fraction", 1.0))]
+        + ([] if f.get("pin_cpu_grads", True) else ["--no-pin-cpu-grads"])
+        + ([] if f.get("pin_cpu_params", True) else ["--no-pin-cpu-params"]),
     }
     out: dict[str, list[str] | _Unstated] = {}
     for name in _GROUP_FLAGS:

@@ -100,10 +100,12 @@ HONOURED: dict[str, str] = {
     "--norm-epsilon": "model rms_norm_eps (the epsilon of every norm)",
     "--apply-layernorm-1p": "model normalization unchanged: TE's zero-centred gamma has the "
                             "same weight, bias and saved tensors",
-    "--disable-bias-linear": "model qkv_bias, o_bias, mlp_bias False (default: all True)",
+    "--disable-bias-linear": "model qkv_bias, o_bias, mlp_bias False (default: all True; "
+                             "MLA: linear_proj's bias is its only one)",
     "--add-qkv-bias": "model qkv_bias",
     "--normalization": "model normalization 'layernorm' / 'rmsnorm'",
-    "--qk-layernorm": "model qk_norm (GQA); MLA needs it: its q / kv latent norms",
+    "--qk-layernorm": "model qk_norm (GQA); with MLA mla_latent_norms: its q / kv latent "
+                      "norms (absent: none, gpt_layer_specs.py IdentityOp)",
     "--multi-latent-attention": "model attention 'mla'",
     "--recompute-granularity": "recompute 'full' / 'selective' (absent: 'none')",
     "--recompute-method": "recompute_method",
@@ -114,6 +116,18 @@ HONOURED: dict[str, str] = {
     "--recompute-modules": "recompute_modules (core_attn, mla_up_proj, layernorm, mlp, moe, "
                            "moe_act, shared_experts; gdn_norm_out, gdp_in_proj, gdp_qkv, mhc "
                            "refused by name)",
+    "--fp8-format": "kernel_options fp8_recipe (with --fp8-recipe) and fp8_format: TE's FP8 "
+                    "linears (modeling.kernels.fp8); e4m3 and hybrid change no byte",
+    "--fp8-recipe": "kernel_options fp8_recipe delayed / tensorwise / mxfp8 (Blackwell "
+                    "only) / blockwise; custom refused by name",
+    "--fp8-amax-history-len": "kernel_options fp8_amax_history_len: delayed scaling's fp32 "
+                              "amax history per GEMM (tracemem.static.fp8_static)",
+    "--first-last-layers-bf16": "kernel_options fp8_layers_at_start_in_bf16 / _end_: those "
+                                "layers run without FP8",
+    "--num-layers-at-start-in-bf16": "kernel_options fp8_layers_at_start_in_bf16 (with "
+                                     "--first-last-layers-bf16)",
+    "--num-layers-at-end-in-bf16": "kernel_options fp8_layers_at_end_in_bf16 (with "
+                                   "--first-last-layers-bf16)",
     "--moe-shared-expert-intermediate-size": "model num_shared_experts 1 and "
                                              "shared_expert_intermediate_size (the total "
                                              "width)",
@@ -181,6 +195,24 @@ HONOURED: dict[str, str] = {
                         "(modeling/kernels/rope.py); without it approximation: TE's fused "
                         "RoPE saves less",
     "--optimizer": "optimizer 'fused' for adam (TE / apex FusedAdam); the others refused",
+    "--optimizer-cpu-offload": "optimizer_cpu_offload: Megatron-Core's HybridDeviceOptimizer "
+                               "(optimizer/cpu_offloading/hybrid_optimizer.py; "
+                               "tracemem.offload): the offloaded parameters' fp32 masters, "
+                               "moments and grads on the host, the rest's fp32 masters and "
+                               "moments (FusedAdam) on the device; needs "
+                               "--use-precision-aware-optimizer (validate_args)",
+    "--optimizer-offload-fraction": "optimizer_offload_fraction: of each distributed "
+                                    "optimizer's elements, whole parameters in its order "
+                                    "(HybridDeviceOptimizer._get_sub_optimizer_param_groups)",
+    "--overlap-cpu-optimizer-d2h-h2d": "approximation: one host optimizer per parameter "
+                                       "(build_cpu_optimizer_list) and the copies on side "
+                                       "streams: the same host and device bytes and the same "
+                                       "temporaries; the side streams' own caching-allocator "
+                                       "pools are not simulated",
+    "--no-pin-cpu-grads": "pin_cpu_grads False: the host gradient buffers pageable "
+                          "(HybridDeviceOptimizer._set_sub_optimizer_grads)",
+    "--no-pin-cpu-params": "pin_cpu_params False: the host fp32 masters pageable "
+                           "(_get_sub_optimizer_param_groups)",
     "--no-gradient-accumulation-fusion": "gradient_accumulation_fusion False (precision and "
                                          "kernel_options)",
     # _add_mixed_precision_args
@@ -217,6 +249,11 @@ HONOURED: dict[str, str] = {
                                  "(--non-pytorch-memory)",
     "--data-parallel-sharding-strategy": "zero 2 (optim_grads) / 3 (optim_grads_params) "
                                          "with --use-megatron-fsdp; optim, no_shard refused",
+    "--num-distributed-optimizer-instances": "num_distributed_optimizer_instances: the "
+                                             "distributed optimizer and its DDP buffers shard "
+                                             "over DP x CP / N and EDP / N (parallel_state.py "
+                                             "intra-partial groups); with Megatron-FSDP "
+                                             "(HSDP) refused",
     "--cp-comm-type": "kernel_options cp_comm_type with CP > 1: p2p (Megatron's default: "
                       "TE's ring attention, AttnFuncWithCPAndKVP2P) or allgather / all_gather "
                       "(K, V all-gathered); one type for all layers; a2a, a2a+p2p refused",
@@ -266,6 +303,10 @@ HONOURED: dict[str, str] = {
     "--log-num-zeros-in-grad": "approximation: counting the zeros (torch.count_nonzero per "
                                "main-grad tensor in the optimizer step) makes a bool temporary "
                                "of each tensor in turn, not traced",
+    # _add_transformer_engine_args
+    "--fp8-param-gather": "kernel_options fp8_param_gather: FP8 weights 1 B an element in the "
+                          "parameter buffer, no FP8 weight copy (tracemem.static.fp8_static); "
+                          "with mxfp8 refused by name",
     # _add_experimental_args
     "--use-precision-aware-optimizer": "use_precision_aware_optimizer",
     "--main-grads-dtype": "main_grads_dtype",
@@ -300,6 +341,11 @@ NEUTRAL: dict[str, str] = {
                                      "(validate_args warns)",
     "--flash-attention-version": "which FlashAttention generation: each keeps the output "
                                  "and the softmax statistics",
+    "--rotary-interleaved": "interleaved RoPE: the same bytes as rotate-half (Megatron-LM "
+                            "d98e8a6 rope_utils.py _rotate_half stacks the two strided halves "
+                            "where rotate-half concatenates them, one tensor of the input's "
+                            "shape either way; rotary_pos_embedding.py RotaryEmbedding.forward "
+                            "interleaves the frequencies by stack and view instead of cat)",
     "--qk-clip-alpha": _only("--qk-clip"),
     "--qk-clip-threshold": _only("--qk-clip"),
     "--calculate-per-token-loss": "the loss's normalisation (scalars)",
@@ -330,17 +376,11 @@ NEUTRAL: dict[str, str] = {
     "--mup-attn-scale-power": "the attention's softmax scale (a scalar)",
     "--disable-bf16-reduced-precision-matmul": "matmul accumulation precision: the same "
                                                "tensors",
-    "--fp8-recipe": _only("--fp8-format"),
-    "--fp8-quantizer-factory": _only("--fp8-format"),
-    "--fp8-margin": _only("--fp8-format"),
-    "--fp8-interval": _only("--fp8-format"),
-    "--fp8-amax-history-len": _only("--fp8-format"),
-    "--fp8-amax-compute-algo": _only("--fp8-format"),
-    "--no-fp8-wgrad": _only("--fp8-format"),
-    "--fp8-output-proj": _only("--fp8-format"),
-    "--first-last-layers-bf16": _only("--fp8-format"),
-    "--num-layers-at-start-in-bf16": _only("--fp8-format"),
-    "--num-layers-at-end-in-bf16": _only("--fp8-format"),
+    "--fp8-quantizer-factory": _only("--fp8-recipe custom"),
+    "--fp8-margin": "the scaling factor's value (a scalar margin): the same FP8 tensors",
+    "--fp8-interval": "ignored by TE since v1.8 (Megatron's help): the same tensors",
+    "--fp8-amax-compute-algo": "how the scale is taken from the amax history (most_recent / "
+                               "max): the same history and FP8 tensors",
     "--kitchen-attention-backend": _only("--use-kitchen-attention"),
     "--fp4-recipe": _only("--fp4-format"),
     "--fp4-quantizer-factory": _only("--fp4-format"),
@@ -474,12 +514,12 @@ NEUTRAL: dict[str, str] = {
     "--rope-type": _ROPE_VALUES,
     "--use-flash-attn": "registered but not read anywhere in Megatron-LM at d98e8a6 "
                         "(--attention-backend chooses)",
-    "--optimizer-offload-fraction": _only("--optimizer-cpu-offload"),
-    "--use-torch-optimizer-for-cpu-offload": _only("--optimizer-cpu-offload"),
-    "--overlap-cpu-optimizer-d2h-h2d": _only("--optimizer-cpu-offload"),
+    "--use-torch-optimizer-for-cpu-offload": "for adam Megatron overwrites its choice: "
+                                             "gpu_optimizer_cls = Adam after it "
+                                             "(optimizer/__init__.py "
+                                             "_get_megatron_optimizer_based_on_param_groups)"
+                                             "; the other optimizers are refused",
     "--dump-param-to-param-group-map": "optimizer parameter groups (learning rates)",
-    "--no-pin-cpu-grads": _only("--optimizer-cpu-offload"),
-    "--no-pin-cpu-params": _only("--optimizer-cpu-offload"),
     "--dataloader-type": _DATA,
     "--no-persist-layer-norm": "apex's persistent LayerNorm: not on the Transformer Engine "
                                "path",
@@ -623,7 +663,8 @@ NEUTRAL: dict[str, str] = {
     "--hysteresis": "fp16 loss scaling (scalars); " + _only("--fp16"),
     "--attention-softmax-in-fp32": _LOCAL_ATTN + " (TE's unfused softmax falls back to fp32 "
                                    "itself)",
-    "--reuse-grad-buf-for-mxfp8-param-ag": _only("--fp8-param-gather"),
+    "--reuse-grad-buf-for-mxfp8-param-ag": _only("--fp8-param-gather with --fp8-recipe "
+                                                 "mxfp8"),
     "--mamba-training-ssm-states-dtype": _only("--is-hybrid-model / --hybrid-layer-pattern"),
     # _add_distributed_args
     "--distributed-backend": "the process-group backend",
@@ -661,7 +702,7 @@ NEUTRAL: dict[str, str] = {
     "--gtp-expert-remat-nccl-ub": _only("--expert-tensor-parallel-num-weight-shards"),
     "--fsdp-manual-registration": _only("--use-nccl-ub"),
     "--no-gradient-reduce-div-fusion": "where the gradient division runs (in place)",
-    "--keep-fp8-transpose-cache": _only("--fp8-format"),
+    "--keep-fp8-transpose-cache": _only("--fp8-format under --use-megatron-fsdp"),
     "--torch-fsdp2-no-reshard-after-forward": _only("--use-torch-fsdp2"),
     "--fake-process-group": "collectives skipped (a test mode); the buffers are the same",
     # _add_validation_args
@@ -956,7 +997,12 @@ REFUSED: dict[str, str] = {
                                                           "whose microbatch group is not PP "
                                                           "(PP, the default, is accepted)",
     "--mtp-standalone": _NMY + "a standalone MTP pipeline stage",
-    "--cpu-offloading-num-layers": _NMY + "activation offloading to the host",
+    "--cpu-offloading-num-layers": _NMY + "activation offloading to the host: TE's CPU "
+                                   "offloading of N layers' activations "
+                                   "(transformer_engine/pytorch/cpu_offload.py "
+                                   "get_cpu_offload_context: each layer's saved tensors copied "
+                                   "to the host after its forward and back before its "
+                                   "backward, on a side stream; docs/offload.md)",
     "--mtp-use-repeated-layer": _NMY + "one MTP layer repeated (its parameters shared across "
                                 "depths)",
     "--mtp-detach-heads": _NMY + "MTP heads detached from the main graph",
@@ -967,8 +1013,6 @@ REFUSED: dict[str, str] = {
                                                   "taken after the norm)",
     "--glu-linear-offset": _NMY + "an offset in the GLU (unfused activation)",
     "--activation-func-clamp-value": _NMY + "a clamped activation (its saved mask)",
-    "--rotary-interleaved": _NMY + "interleaved RoPE (tracemem runs Megatron's rotate-half "
-                            "RoPE)",
     "--qk-l2-norm": _NMY + "Llama-4 qk L2 norm",
     "--qk-clip": _NMY + "qk-clip's max-logit tracking (Muon)",
     "--attention-output-gate": _NMY + "an output gate on attention",
@@ -983,9 +1027,11 @@ REFUSED: dict[str, str] = {
                                          "experts",
     "--fused-residual-rmsnorm": _NMY + "the fused residual + RMSNorm backward",
     "--use-transformer-engine-op-fuser": _NMY + "TE's operation fuser",
-    "--fp8-format": _NMY + "FP8 training (FP8 weights, casts and scaling state)",
+    "--no-fp8-wgrad": _NMY + "the weight-gradient GEMM in bf16 under FP8 (TE's "
+                      "override_linear_precision: bf16 inputs kept for it)",
+    "--fp8-output-proj": _NMY + "the output layer under MXFP8",
     "--use-kitchen-attention": _NMY + "the kitchen extension's attention",
-    "--fp4-format": _NMY + "FP4 training",
+    "--fp4-format": _NMY + "FP4 (NVFP4) training",
     "--use-grouped-gemm-for-shared-expert": _NMY + "the shared expert as a GroupedLinear",
     "--moe-shared-expert-glu-interleave-size": _NMY + "the shared expert's block-interleaved "
                                                "GLU",
@@ -1022,7 +1068,14 @@ REFUSED: dict[str, str] = {
     "--symmetric-ar-type": _NMY + "symmetric-memory all-reduce buffers",
     "--is-hybrid-model": _NMY + "hybrid (Mamba) models",
     "--mlp-chunks-for-training": _NMY + "the MLP run in sequence chunks",
-    "--fine-grained-activation-offloading": _NMY + "activation offloading to the host",
+    "--fine-grained-activation-offloading": _NMY + "activation offloading to the host: "
+                                            "the per-module offload / reload "
+                                            "schedule of Megatron-Core's "
+                                            "pipeline_parallel/fine_grained_activation_offload"
+                                            ".py (groups per --offload-modules call, tensors "
+                                            "of 1M elements or more, reloads one group ahead "
+                                            "across microbatches, the pinned host pool; "
+                                            "docs/offload.md)",
     "--moe-paged-stash": _NMY + "the paged stash of expert activations",
     # _add_network_size_args: network size
     "--window-size": _NMY + "sliding-window attention",
@@ -1046,7 +1099,6 @@ REFUSED: dict[str, str] = {
     "--no-bias-swiglu-fusion": _NMY + "the unfused SwiGLU (no effect without --swiglu)",
     "--no-bias-dropout-fusion": _NMY + "the unfused bias-dropout-add (no effect without "
                                 "dropout)",
-    "--optimizer-cpu-offload": _NMY + "the optimizer offloaded to the host",
     "--optimizer-cuda-graph": _NMY + "the optimizer step in a CUDA graph (its static pool)",
     # _add_rl_args
     "--perform-rl-step": _NMY + "RL steps (inference engine, KV cache and training in one "
@@ -1084,8 +1136,6 @@ REFUSED: dict[str, str] = {
     "--suggested-communication-unit-size": _NMY + "Megatron-FSDP communication units other "
                                            "than the modules",
     "--enable-full-sharding-in-hsdp": _NMY + "hybrid-sharded data parallelism (HSDP)",
-    "--num-distributed-optimizer-instances": _NMY + "the distributed optimizer sharded over "
-                                             "part of DP",
     # _add_validation_args
     "--eval-micro-batch-size": _NMY + "evaluation with another micro batch than training "
                                "(its forward can set the peak; the training one is accepted)",
@@ -1116,7 +1166,6 @@ REFUSED: dict[str, str] = {
     "--logits-load-dir": _NMY + "the distillation loss on loaded logits",
     # _add_transformer_engine_args
     "--fp4-param-gather": _NMY + "FP4 parameters",
-    "--fp8-param-gather": _NMY + "FP8 parameters",
     "--te-precision-config-file": _NMY + "per-module precision overrides",
     # _add_experimental_args
     "--spec": _NMY + "a custom layer spec (tracemem builds Megatron's GPT spec)",

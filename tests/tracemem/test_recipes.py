@@ -1,0 +1,36 @@
+"""tracemem.recipes: the deepseek-v3 recipe against arXiv 2412.19437 (sections cited), user
+overrides, a bad name, and the EMA's host bytes by hand."""
+
+import pytest
+
+from tracemem.errors import TracememError
+from tracemem.recipes import recipe_fields
+
+
+def test_deepseek_v3_fields_are_the_papers():
+    f = recipe_fields("deepseek-v3")
+    assert f["world_size"] == 2048  # 3.1: 2048 H800 GPUs
+    assert f["gpu"] == "H800" and f["hbm"] == "80GB"  # 3.1; H800 data sheet 80 GB
+    assert f["pp"] == 16 and f["schedule"] == "dualpipe"  # 3.2, 3.2.1
+    assert f["ep"] == 64 and f["tp"] == 1  # 3.2: EP 64 over 8 nodes; no TP
+    assert f["zero"] == 1  # 3.2: ZeRO-1
+    assert f["recompute"] == "selective"  # 3.2.3
+    assert f["recompute_modules"] == ("layernorm", "mla_up_proj")  # 3.2.3
+    assert f["kernel_options"]["fp8_recipe"] == "blockwise"  # 3.3: 1x128 / 128x128
+    assert f["precision"] == "deepseek-v3"  # 3.3.3: bf16 moments, fp32 master + grads
+    assert f["seq_length"] == 4096 and f["global_batch_size"] == 15360  # 4.2
+    assert f["ema"] == "host"  # 3.2.3: EMA in CPU
+
+
+def test_bad_recipe_name_is_one_line():
+    with pytest.raises(TracememError, match="--recipe 'nope' is unknown; choose one of"):
+        recipe_fields("nope")
+
+
+def test_ema_host_bytes_by_hand():
+    import torch
+
+    from tracemem.offload import ema_host_bytes
+
+    model = torch.nn.Linear(3, 5, device="meta")  # 3*5 + 5 = 20 elements, fp32: 80 B
+    assert ema_host_bytes(model) == 80

@@ -1,0 +1,139 @@
+"""Named training setups as ``Job`` fields: ``tracemem estimate --recipe NAME`` /
+``recipe_job(NAME, **overrides)``.
+
+A recipe is a published job written down once, each field with the section of the source that
+states it. The user's own flags (or keywords) override the recipe's values; the output says
+which values came from the recipe (``Job.recipe_fields``).
+
+Why ``recipe_job(name, **overrides)`` and not ``Job(recipe=name)``: a frozen dataclass cannot
+tell a field left at its default from one given with the default's value, so ``Job(recipe=...,
+recompute="none")`` could not be told from ``Job(recipe=...)``; the recipe's fields are merged
+before the ``Job`` is built, and the ``Job`` records the recipe's name and the fields it set.
+
+``deepseek-v3``: DeepSeek-V3 as trained (arXiv 2412.19437, "DeepSeek-V3 Technical Report",
+sections 3.2-3.4), with deepseek-ai/DualPipe (3da1bbe) for the schedule. Where the paper is
+silent the value is an assumption, named as one in ``RECIPES[...].assumptions``.
+
+Errors: an unknown recipe name is a ``TracememError`` naming the choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tracemem.errors import TracememError
+
+__all__ = ["Recipe", "RECIPES", "recipe_fields", "recipe_job"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named job: ``fields`` are ``Job`` keywords; ``sources`` the citation of each;
+    ``assumptions`` what the source leaves open and the value chosen; ``approximations`` what
+    the recipe's source does that tracemem does not trace (printed with the estimate)."""
+
+    name: str
+    title: str
+    fields: dict[str, Any]
+    sources: dict[str, str]
+    assumptions: tuple[str, ...] = ()
+    approximations: tuple[str, ...] = field(default=())
+
+
+_V3 = "arXiv 2412.19437"
+# (field, value, source): DeepSeek-V3's published training setup
+_DEEPSEEK_V3 = (
+    ("model", "deepseek-v3", f"{_V3} 4.2 (61 layers, h 7168, 256 routed experts, MTP depth 1): "
+                             f"the preset (modeling/families/deepseek/presets/deepseek-v3.json)"),
+    ("world_size", 2048, f"{_V3} 3.1: a cluster of 2048 NVIDIA H800 GPUs"),
+    ("gpu", "H800", f"{_V3} 3.1: H800 GPUs (Hopper, sm90)"),
+    ("hbm", "80GB", "NVIDIA H800 SXM5 data sheet: 80 GB (decimal, as the issue asks: --hbm 80GB)"),
+    ("tp", 1, f"{_V3} 3.4 / 3.2.3: no costly tensor parallelism"),
+    ("pp", 16, f"{_V3} 3.2: 16-way pipeline parallelism"),
+    ("schedule", "dualpipe", f"{_V3} 3.2.1: DualPipe; deepseek-ai/DualPipe DualPipe.step"),
+    ("ep", 64, f"{_V3} 3.2: 64-way expert parallelism spanning 8 nodes"),
+    ("etp", 1, f"{_V3} 3.2: experts not tensor-split"),
+    ("zero", 1, f"{_V3} 3.2: ZeRO-1 data parallelism"),
+    ("precision", "deepseek-v3", f"{_V3} 3.3.3: BF16 AdamW moments, FP32 master weights and "
+                                 f"gradients (tracemem/precision.py PRECISION_RECIPES)"),
+    ("recompute", "selective", f"{_V3} 3.2.3: recomputation of RMSNorm and MLA up-projection"),
+    ("recompute_modules", ("layernorm", "mla_up_proj"),
+     f"{_V3} 3.2.3: all RMSNorm operations and MLA up-projections recomputed in backward"),
+    ("kernels", "megatron-te", "the profile that runs FP8 (modeling/kernels/fp8.py)"),
+    ("kernel_options", {"fp8_recipe": "blockwise", "fp8_format": "e4m3"},
+     f"{_V3} 3.3.1-3.3.2: FP8 GEMMs with 1x128 activation tiles and 128x128 weight blocks "
+     f"(TE Float8BlockScaling), E4M3 on all tensors"),
+    ("seq_length", 4096, f"{_V3} 4.2: maximum sequence length 4K in pre-training"),
+    ("global_batch_size", 15360, f"{_V3} 4.2: batch size ramped to 15360 (the value it holds)"),
+    ("micro_batch_size", 1, "assumption: the paper gives no micro-batch size"),
+    ("pp_layout", (4,) * 15 + (1,), "assumption: the paper gives no layer split"),
+    ("ema", "host", f"{_V3} 3.2.3: Exponential Moving Average in CPU"),
+)
+
+RECIPES = {
+    "deepseek-v3": Recipe(
+        "deepseek-v3", "DeepSeek-V3 as trained (arXiv 2412.19437 sections 3.2-3.4)",
+        {name: value for name, value, _ in _DEEPSEEK_V3},
+        {name: source for name, _, source in _DEEPSEEK_V3},
+        assumptions=(
+            "micro-batch size 1: the paper gives none; 1 is the least activation memory, and "
+            "M = 15360 / (1 x DP 128) = 120 microbatches is even and >= 2 x PP, as "
+            "DualPipe.step asserts (num_chunks >= num_ranks * 2, even)",
+            "layers per stage 4*15,1 (61 layers): the paper gives none; arXiv 2502.07846's "
+            "split of the same model on PP 16, the last stage 1 layer + head + MTP",
+            "EMA: fp32, one value per parameter element the rank holds (TP / EP / PP local, "
+            "not DP-sharded), pageable host memory; section 3.2.3 says only 'stored in CPU "
+            "memory and updated asynchronously after each training step'",
+            "routing balanced: the auxiliary-loss-free balancing of section 2.1.2",
+        ),
+        approximations=(
+            "E5M6 input of the linear after attention (3.3.3): traced as TE blockwise FP8 "
+            "(1 B a value), not a 12-bit format",
+            "SwiGLU inputs cached in FP8, outputs recomputed in backward (3.3.3): traced as "
+            "the megatron-te profile's SwiGLU saves",
+            "FP8 dispatch with BF16 combine (3.3.3): the all-to-all buffers traced in bf16",
+            "MTP sharing of the embedding and output head with the main model (3.2.3): "
+            "as the model builds it (the MTP stage's own embedding, modeling/common/model.py)",
+        )),
+}
+
+
+def _recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise TracememError(f"--recipe {name!r} is unknown; choose one of {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
+def recipe_fields(name: str) -> dict[str, Any]:
+    """The ``Job`` keywords of recipe ``name`` (a copy).
+
+    Raises:
+        TracememError: ``name`` is not a ``RECIPES`` key.
+    """
+    fields_ = dict(_recipe(name).fields)
+    fields_["kernel_options"] = dict(fields_.get("kernel_options", {}))
+    return fields_
+
+
+def recipe_job(name: str, **overrides):
+    """The ``Job`` of recipe ``name`` with ``overrides`` (``Job`` keywords) winning;
+    ``kernel_options`` given are merged over the recipe's. ``Job.recipe`` is ``name`` and
+    ``Job.recipe_fields`` the recipe's fields that were kept.
+
+    Raises:
+        TracememError: an unknown recipe; anything ``Job`` raises.
+    """
+    from tracemem.job import Job
+
+    kwargs = recipe_fields(name)
+    if "kernel_options" in overrides:
+        overrides = dict(overrides)
+        overrides["kernel_options"] = kwargs["kernel_options"] | dict(overrides["kernel_options"])
+    if {"num_microbatches", "global_batch_size"} & set(overrides):  # a batch replaces whole
+        kwargs.pop("global_batch_size", None)
+    if {"pp", "pp_first_stage_layers", "pp_last_stage_layers"} & set(overrides) \
+            and "pp_layout" not in overrides:
+        kwargs.pop("pp_layout", None)  # a layer split of the user's replaces the recipe's
+    kept = tuple(sorted(k for k in kwargs if k not in overrides))
+    return Job(**(kwargs | overrides), recipe=name, recipe_fields=kept)
