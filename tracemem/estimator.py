@@ -152,7 +152,8 @@ class RankEstimate:
                  "optimizer states": self.optimizer_state_bytes,
                  "activations": self.activation_bytes,
                  "communication buffers": self.comm_buffer_bytes,
-                 "temporaries": self.temporary_bytes}
+                 "temporaries": self.temporary_bytes,
+                 "workspaces below the dispatcher": self.workspace_bytes}
         return max(items.items(), key=lambda kv: kv[1])
 
 
