@@ -440,17 +440,119 @@ def _add_kernel_flags(group, default: str = "megatron-te") -> None:
                        help="megatron-te: Transformer Engine's attention backend: fused "
                             "(cuDNN), flash (flash-attn: layout copies, its own scratch) or "
                             "auto (TE's choice for --gpu) (default fused; docs/kernels.md)")
+    _add_fp8_flags(group)
+
+
+# Megatron-LM's FP8 flags, taken as tracemem flags under Megatron's names, dests, choices and
+# defaults (its argument data, tracemem.frontdoors.megatron_args), each with its help here
+_FP8_HELP = {
+    "--fp8-format": "megatron-te: FP8 through Transformer Engine, e4m3 everywhere or hybrid "
+                    "(E5M2 gradients; the same bytes); without it the linears run bf16 "
+                    "(docs/kernels.md FP8)",
+    "--fp8-recipe": "with --fp8-format: TE's scaling recipe: delayed, tensorwise (current "
+                    "scaling), mxfp8 (Blackwell only: --gpu B200 / GB200) or blockwise "
+                    "(1x128 / 128x128 blocks); custom is not modelled (default %(default)s)",
+    "--fp8-param-gather": "with --fp8-format: parameters kept in FP8, 1 B an element, no "
+                          "separate FP8 weight copy (needs --zero 1 or more, Megatron's "
+                          "distributed optimizer)",
+    "--fp8-amax-history-len": "with --fp8-format: delayed scaling's amax history, in steps "
+                              "(default %(default)s)",
+    "--first-last-layers-bf16": "with --fp8-format: the first and last decoder layers run in "
+                                "bf16 (counts below)",
+    "--num-layers-at-start-in-bf16": "with --first-last-layers-bf16: decoder layers at the "
+                                     "start in bf16 (default %(default)s)",
+    "--num-layers-at-end-in-bf16": "with --first-last-layers-bf16: decoder layers at the end "
+                                   "in bf16 (default %(default)s)",
+}
+
+
+# their dests (Megatron's), the Job field kernel_options' (_FIELD_DESTS)
+_FP8_DESTS = ("fp8", "fp8_recipe", "fp8_param_gather", "fp8_amax_history_len",
+              "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+              "num_layers_at_end_in_bf16")
+
+
+def _fp8_records() -> dict:
+    """Megatron-LM's argument records (``MegatronArgument``) of the FP8 flags, by flag."""
+    from tracemem.frontdoors.megatron_args import megatron_arguments
+
+    return {record.flag: record for record in megatron_arguments() if record.flag in _FP8_HELP}
+
+
+def _add_fp8_flags(group) -> None:
+    """The FP8 flags, with Megatron-LM's names, dests, choices and defaults (``_FP8_HELP``)."""
+    records = _fp8_records()
+    assert records.keys() == _FP8_HELP.keys(), records.keys()  # all in the pinned data
+    for flag, record in records.items():
+        assert record["dest"] in _FP8_DESTS, record
+        if record["action"] == "store_true":
+            group.add_argument(flag, dest=record["dest"], action="store_true",
+                               help=_FP8_HELP[flag])
+            continue
+        group.add_argument(flag, dest=record["dest"], default=record["default"],
+                           choices=record["choices"],
+                           type={"int": int, "str": str}[record["type"]],
+                           metavar="N" if record["type"] == "int" else None,
+                           help=_FP8_HELP[flag])
+
+
+def _fp8_argv(args: argparse.Namespace) -> list[str]:
+    """The FP8 flags typed on the command line (``args.given``), as Megatron-LM arguments."""
+    out = []
+    for flag, record in _fp8_records().items():
+        if record["dest"] not in getattr(args, "given", set()):
+            continue
+        value = getattr(args, record["dest"])
+        if record["action"] == "store_true":
+            out += [flag] if value else []
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _fp8_kernel_options(args: argparse.Namespace) -> dict:
+    """The megatron-te FP8 options of the FP8 flags, mapped by the Megatron-LM front door's
+    own function (``tracemem.frontdoors.megatron._fp8_options``), so the two doors give the
+    same job; {} without ``--fp8-format``. tracemem's ``--zero`` 1 or more is Megatron's
+    distributed optimizer; a command without ``--zero`` (fit: a search dimension) leaves that
+    check to the layout.
+
+    Raises:
+        TracememError: another FP8 flag without ``--fp8-format``; what the mapping refuses
+            (``--fp8-recipe custom``, ``--fp8-param-gather`` with mxfp8 or ``--zero 0``).
+    """
+    from tracemem.frontdoors.megatron import _fp8_options
+
+    if not hasattr(args, "fp8"):
+        return {}
+    if args.fp8 is None:
+        typed = _fp8_argv(args)
+        if typed:
+            raise _fp8_without_format(typed[0])
+        return {}
+    names = {record["dest"]: getattr(args, record["dest"])
+             for record in _fp8_records().values()}
+    return _fp8_options(argparse.Namespace(
+        **names, use_distributed_optimizer=getattr(args, "zero", 1) != 0,
+        use_megatron_fsdp=False, use_torch_fsdp2=False))
+
+
+def _fp8_without_format(flag: str) -> TracememError:
+    return TracememError(f"{flag} applies with --fp8-format (e4m3 or hybrid); give it too "
+                         f"(Megatron-LM runs FP8 only with --fp8-format)")
 
 
 def _kernel_options(args: argparse.Namespace) -> dict:
-    """The set megatron-te options (unset ones keep the profile's defaults)."""
+    """The set megatron-te options (unset ones keep the profile's defaults), the FP8 flags'
+    among them (``_fp8_kernel_options``)."""
     options = {"te_version": args.te_version,
                "moe_shared_expert_overlap": args.shared_expert_overlap,
                "cross_entropy_fusion": args.cross_entropy_fusion,
                "masked_softmax_fusion": args.masked_softmax_fusion,
                "cp_comm_type": args.cp_comm_type,
                "attention_backend": args.attention_backend}
-    return {key: value for key, value in options.items() if value is not None}
+    return {key: value for key, value in options.items() if value is not None} | \
+        _fp8_kernel_options(args)
 
 
 def _add_replace_flag(parser: argparse.ArgumentParser) -> None:
@@ -500,7 +602,7 @@ def _add_model_flag(parser: argparse.ArgumentParser) -> None:
 _FIELD_DESTS = {"deallocate_pipeline_outputs": "deallocate",
                 "kernel_options": ("te_version", "shared_expert_overlap",
                                    "cross_entropy_fusion", "masked_softmax_fusion",
-                                   "cp_comm_type", "attention_backend")}
+                                   "cp_comm_type", "attention_backend", *_FP8_DESTS)}
 
 
 def _flag_fields(args: argparse.Namespace) -> dict:
@@ -607,24 +709,44 @@ def _megatron_job(args: argparse.Namespace, **fixed):
         argv, env = megatron_args_from_yaml(args.megatron_config)
     if args.megatron_args:
         argv = argv + expand_megatron_args(args.megatron_args)
-    kwargs = megatron_job_kwargs(argv, env=env, world_size=getattr(args, "world_size", None),
+    # tracemem's FP8 flags are Megatron's own: typed beside a Megatron job they join its
+    # arguments, later winning as in argparse, so Megatron's rules combine the two
+    fp8_argv = _fp8_argv(args)
+    typed = args
+    if fp8_argv:
+        given = set(getattr(args, "given", ())) - set(_FP8_DESTS)
+        typed = argparse.Namespace(**(vars(args) | {"fp8": None, "given": given}))
+    kwargs = megatron_job_kwargs(argv + fp8_argv, env=env,
+                                 world_size=getattr(args, "world_size", None),
                                  vocab_size=args.vocab_size)
+    if fp8_argv and "fp8_recipe" not in kwargs["kernel_options"]:
+        raise _fp8_without_format(fp8_argv[0])
     # what tracemem does not trace of this job (irrelevant to a parameter count)
     args.approximations = ([] if args.command == "params" else
-                           megatron_approximations(argv, env=env))
-    overrides = _explicit(_flag_fields(args), args)
+                           megatron_approximations(argv + fp8_argv, env=env))
+    overrides = _explicit(_flag_fields(typed), typed)
     overrides.pop("world_size", None)  # the launcher's, which Megatron does not take
     overrides |= following_changes(argv, kwargs, overrides)  # a new --tp moves a default ETP
     # say what replaced an argument of the job (tracemem's own settings, such as --hbm, are
     # not overrides)
     args.overrides = sorted(name for name, value in overrides.items()
                             if name in kwargs and kwargs[name] != value)
+    if fp8_argv:  # the typed FP8 flags whose value differs from the job's own
+        from tracemem.frontdoors.megatron_args import parse_with_given
+
+        own = parse_with_given(argv)[0]
+        args.overrides = sorted(args.overrides + [
+            record.flag[2:].replace("-", "_") for record in _fp8_records().values()
+            if record["dest"] in getattr(args, "given", ())
+            and getattr(own, record["dest"]) != getattr(args, record["dest"])])
     if args.vocab_size is not None and any(a.split("=")[0] == "--vocab-size" for a in argv):
         args.overrides.append("vocab_size")  # tracemem's --vocab-size over Megatron's
     if overrides.get("kernels", "megatron-te") != "megatron-te":
         # the job's kernel options are megatron-te's (Megatron's flags): another profile's
-        # kernels replace them whole
-        kwargs["kernel_options"] = {}
+        # kernels replace them whole; typed FP8 flags stay, for the Job to refuse by name
+        kwargs["kernel_options"] = {key: value for key, value in
+                                    kwargs["kernel_options"].items()
+                                    if fp8_argv and key.startswith("fp8_")}
     if "kernel_options" in overrides:
         overrides["kernel_options"] = dict(kwargs.get("kernel_options") or {}) | \
             overrides["kernel_options"]
@@ -853,10 +975,12 @@ def _run_params(args: argparse.Namespace) -> str:
 
 def job_from_args(args: argparse.Namespace):
     """The ``Job`` of ``tracemem estimate``'s command line: its flags, or a Megatron-LM job
-    with the typed flags overriding it (``_megatron_job``). The ``Job`` validates.
+    with the typed flags overriding it (``_megatron_job``). The ``Job`` validates; an invalid
+    value given is said before a value missing (``_stand_ins``).
 
     Raises:
-        TracememError: see ``tracemem.job.Job``; --recompute-modules without selective.
+        TracememError: see ``tracemem.job.Job``; --recompute-modules without selective; "give
+            --micro-batch-size" / "give --seq-length" when every value given is valid.
     """
     from tracemem.job import Job
 
@@ -876,10 +1000,49 @@ def job_from_args(args: argparse.Namespace):
     job = _megatron_job(args)
     if job is not None:
         return job
-    for flag in ("micro_batch_size", "seq_length"):
-        if getattr(args, flag) is None:
-            raise TracememError(f"give --{flag.replace('_', '-')}")
-    return Job(model=args.model, origin="flags", **_flag_fields(args))
+    fields = _flag_fields(args)
+    missing = _missing_flags(fields)
+    if missing:
+        # an invalid value given is said before a value missing (issue 26): the Job checks
+        # what was given, with stand-ins for the rest (an error that names a stand-in's flag
+        # is the stand-in's, not the user's); then the first missing flag is named
+        try:
+            Job(model=args.model, origin="flags", **(fields | _stand_ins(missing, fields)))
+        except TracememError as error:
+            if not any(flag in str(error) for flag in missing.values()):
+                raise
+        for name, flag in missing.items():
+            if name in _NEEDED:
+                raise TracememError(f"give {flag}")
+    return Job(model=args.model, origin="flags", **fields)  # a missing batch: the Job's words
+
+
+# Job fields tracemem estimate needs from its flags (the Job names a missing batch) -> the flag
+_NEEDED = {"micro_batch_size": "--micro-batch-size", "seq_length": "--seq-length"}
+
+
+def _missing_flags(fields: dict) -> dict[str, str]:
+    """The Job fields of tracemem estimate's flags that were not given -> their flag, in the
+    order they are named: b, s, then the batch (M or G)."""
+    missing = {name: flag for name, flag in _NEEDED.items() if fields.get(name) is None}
+    if fields.get("num_microbatches") is None and fields.get("global_batch_size") is None:
+        missing["num_microbatches"] = "--num-microbatches"
+    return missing
+
+
+def _stand_ins(missing: dict[str, str], fields: dict) -> dict:
+    """Values for the ``missing`` fields that no check refuses by themselves, so that the Job
+    checks the given ones: b 1, s = CP x TP (the sequence splits over CP x SP), M = 2 x PP
+    (a multiple of PP, even and at least 2 x PP: every schedule's rule). A degree that is not
+    a positive int stands in as 1 (the Job names it)."""
+    def degree(name):
+        value = fields.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+            else 1
+
+    values = {"micro_batch_size": 1, "seq_length": degree("cp") * degree("tp"),
+              "num_microbatches": 2 * degree("pp")}
+    return {name: values[name] for name in missing}
 
 
 def _run_estimate(args: argparse.Namespace) -> str:

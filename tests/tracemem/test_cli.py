@@ -66,6 +66,33 @@ def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("flags, message", [
+    # issue 26: two given values are invalid and --micro-batch-size is missing: the first
+    # invalid one, in the Job's order of checks, is said first
+    ("--world-size -4 --hbm 80XB --seq-length 64",
+     "--world-size -4 must be a positive integer"),
+    ("--world-size 4 --hbm 80XB --seq-length 64",
+     "--hbm '80XB' is invalid; give a positive size of whole bytes such as 80GiB (binary: KiB, "
+     "MiB, GiB, TiB), 80GB (decimal: kB, MB, GB, TB) or a number of bytes"),
+    ("--world-size 4 --hbm 80XB --micro-batch-size 1 --seq-length 64",  # no M either
+     "--hbm '80XB' is invalid; give a positive size of whole bytes such as 80GiB (binary: KiB, "
+     "MiB, GiB, TiB), 80GB (decimal: kB, MB, GB, TB) or a number of bytes"),
+    ("--world-size 4 --tp 2 --sp --seq-length 63",  # b missing; s given, and invalid
+     "--seq-length 63 must be a multiple of cp * sp = 2 (the sequence is split across them)"),
+    # every given value valid: the missing ones, b first, then s, then the batch
+    ("--world-size 4 --hbm 80GB --seq-length 64", "give --micro-batch-size"),
+    ("--world-size 4 --micro-batch-size 1", "give --seq-length"),
+    ("--world-size 4 --micro-batch-size 1 --seq-length 64",
+     "give --num-microbatches (M, per pipeline per step) or --global-batch-size (G sequences "
+     "per step; M = G / (b x DP))"),
+    # a check the missing value's stand-in would fail is not the user's: it names the flag
+    ("--world-size 4 --global-batch-size 6 --seq-length 64", "give --micro-batch-size"),
+])
+def test_an_invalid_given_value_is_said_before_a_missing_one(capsys, flags, message):
+    assert main(["estimate", "--model", "deepseek-tiny", "--quiet", *flags.split()]) == 2
+    assert capsys.readouterr().err == f"tracemem: error: {message}\n"
+
+
 def test_every_flag_has_help():
     parser = build_parser()
     subparsers = parser._subparsers._group_actions[0].choices
