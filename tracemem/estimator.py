@@ -76,7 +76,7 @@ from tracemem.recompute import apply_recompute_method
 from tracemem.split_backward import backward_input
 from tracemem.static import StaticMemory, fused_wgrad_modules, is_fused_wgrad, static_memory
 from tracemem.tracer import MemoryEvent, MemoryTracer
-from tracemem.zero3 import Zero3Gathers, pp_keeps_gathered
+from tracemem.zero3 import Zero3Gathers, fsdp2_group, pp_keeps_gathered
 
 __all__ = ["RankEstimate", "Estimate", "estimate", "parse_bytes", "Segments", "ReplayPeak",
            "TraceCache", "CachedEvent", "check_job", "Job", "RankClass", "TracedClass",
@@ -238,7 +238,8 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
     numel_by_kind(model)  # every parameter declares its group: say so before tracing
     # ZeRO-3: every unit's all-gathers are traced events (tracemem.zero3)
     # (not under torchtitan's PP + FSDP2: every unit stays gathered, static memory)
-    gathers = Zero3Gathers(zero3_prefetch).install(model) \
+    # (torchtitan's FSDP2 recipe: FSDP2's own copy-in, flat and unsharded buffers)
+    gathers = Zero3Gathers.for_layout(par, zero3_prefetch).install(model) \
         if par.zero == 3 and not pp_keeps_gathered(par) else None
     for module in model.modules():
         if isinstance(module, (Block, CustomBlock)):
@@ -723,7 +724,7 @@ def trace_key(job: Job) -> tuple | None:
             par.precision_spec.gradient_accumulation_fusion,
             # ZeRO-3's traced gathers: the unit shards (tracemem.zero3)
             (par.zero, tuple(par.shards(r.quantity, r.kind) for r in SHARDING),
-             pp_keeps_gathered(par)) if par.zero == 3 else None,
+             pp_keeps_gathered(par), fsdp2_group(par)) if par.zero == 3 else None,
             job.micro_batch_size, job.seq_length, (job.routing, job.seed), job.attention,
             job.experts, job.recompute, job.recompute_modules if selective else (),
             (job.recompute_method, job.recompute_num_layers,

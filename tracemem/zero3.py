@@ -54,9 +54,33 @@ reduce-scatter (``accumulate_unsharded_grad_if_needed`` adds each later one into
 Approximation: both are held through the optimizer step too (they are freed at the end of the
 last backward), which overstates the step's peak, not the backward's.
 
-Not modelled: FSDP2's per-parameter padding of dim 0 to a multiple of the group size, the
-all-gather output buffer that exists alongside the unsharded parameters during copy-out, and
-the gradient reduce-scatter buffers (the gradient is counted as Megatron's main grad).
+FSDP2's own buffers (``Zero3Gathers(fsdp2_group=N)``, torchtitan's FSDP2 of group size N;
+``Zero3Gathers.for_layout``: the ``fsdp2`` precision recipe), from torch 2.13's
+``_fsdp_param_group.py`` and ``_fsdp_collectives.py``; without it (Megatron's ZeRO-3 and
+Megatron-FSDP) a gather stays one flat buffer of the unit's parameters:
+- ``FSDPParamGroup.unshard`` -> ``foreach_all_gather``: the copy-in buffer (the rank's bf16
+  shards, dim 0 padded to a multiple of N: ``FSDPParam.padded_sharded_param_size``), the flat
+  all-gather output (N times it), then the copy-in freed (``del param_all_gather_inputs``).
+- ``wait_for_unshard`` -> ``foreach_all_gather_copy_out``: one unsharded buffer per parameter
+  (``FSDPParam.alloc_all_gather_outputs``, in the unit's parameter order), copied out of the flat
+  output, which stays alive beside them: in forward until the next unit's
+  ``wait_for_unshard`` ends (``comm_ctx.all_gather_state``, "implicit prefetch"; the last is
+  freed by the root's ``_post_forward``), in backward until this copy-out ends. So a unit's
+  gather holds 2 x its bf16 parameters during copy-out.
+- At N = 1 ``unshard`` gathers nothing and ``wait_for_unshard`` copies each parameter from its
+  bf16 cast (``FSDPParam.all_gather_inputs``, a copy of the fp32 parameter) into its
+  unsharded buffer; the loop variable keeps one cast alive until the next is made.
+- torchtitan shards ``[norm, output]`` as one unit (torchtitan 0.3.0
+  ``torchtitan/distributed/fsdp.py`` ``apply_fsdp_to_decoder``), so the root's own parameters
+  (the final norm) join the unit kept gathered after its forward (the head), gathered when the
+  norm runs, not at the root's pre-forward.
+- torchtitan's model returns the logits (its loss runs outside the root module:
+  ``Trainer._forward_backward_body``), so the root's post-forward, which frees the last
+  all-gather output, comes right after the head: placed at the head's post-forward here, where
+  tracemem's ``Transformer`` goes on to its loss.
+
+Not modelled: the gradient reduce-scatter buffers (the gradient is counted as Megatron's main
+grad), and without ``fsdp2_group`` FSDP2's padding and all-gather output.
 """
 
 from __future__ import annotations
@@ -69,7 +93,8 @@ from modeling.parallel.groups import is_fsdp_unit, reshards_after_forward
 from tracemem.categories import Category
 from tracemem.tracer import MemoryTracer
 
-__all__ = ["zero3_units", "Zero3Gathers", "pp_keeps_gathered", "pp_resident_bytes"]
+__all__ = ["zero3_units", "Zero3Gathers", "pp_keeps_gathered", "pp_resident_bytes",
+           "fsdp2_group"]
 
 # FSDP2's reduce_dtype under torchtitan (training.mixed_precision_reduce: only float32)
 REDUCE_BYTES = 4
@@ -82,6 +107,17 @@ def pp_keeps_gathered(par) -> bool:
     from tracemem.precision import FSDP2_RECIPES
 
     return par.zero == 3 and par.pp > 1 and par.precision in FSDP2_RECIPES
+
+
+def fsdp2_group(par) -> int | None:
+    """The FSDP2 shard group size of ``par`` (a ``ParallelConfig``) under torchtitan's FSDP2:
+    ZeRO-3 with the ``fsdp2`` precision recipe, dense parameters sharded over DP x CP
+    (``tracemem.parallel.SHARDING``); None otherwise (Megatron's ZeRO-3 and Megatron-FSDP)."""
+    from tracemem.precision import FSDP2_RECIPES
+
+    if par.zero != 3 or par.precision not in FSDP2_RECIPES:
+        return None
+    return par.shards("parameters", "dense")
 
 
 def pp_resident_bytes(model: nn.Module, recipe) -> tuple[int, int]:
@@ -145,21 +181,44 @@ class Zero3Gathers:
     ``install(model)`` registers module hooks; ``end_backward()`` is the root's final
     callback (call it after each backward); ``remove()`` drops the hooks. A gathered buffer is
     a flat tensor of the unit's parameter elements, in their dtype (uint8 bytes if mixed), on
-    their device, tagged ``parameter``.
+    their device, tagged ``parameter``. With ``fsdp2_group`` (``for_layout``: the ``fsdp2``
+    recipe) FSDP2's own buffers instead (module docstring): the copy-in and the flat
+    all-gather output tagged ``comm_buffer``, one ``parameter`` buffer per parameter, the
+    world-size-1 casts ``temporary``. Approximation: with a tied embedding and head
+    torchtitan's unit is ``[tok_embeddings, norm, lm_head]``; here the norm joins the head and
+    the shared weight stays the embedding's.
     """
 
-    def __init__(self, prefetch: bool = True, keep_after_forward: frozenset[str] | None = None):
+    def __init__(self, prefetch: bool = True, keep_after_forward: frozenset[str] | None = None,
+                 fsdp2_group: int | None = None):
         self.prefetch = prefetch
         self.keep_after_forward = keep_after_forward  # None: the units' declarations
+        # FSDP2's own buffers over a shard group of this size (module docstring); None: one
+        # flat buffer per gather
+        self.fsdp2_group = fsdp2_group
+        self._params: dict[str, list[nn.Parameter]] = {}
+        self._pending: dict[str, Tensor | None] = {}  # all-gathered, not yet copied out
+        self._deferred: Tensor | None = None  # forward's last all-gather output
+        self._joined: set[str] = set()  # units the root's parameters joined (torchtitan)
         self._sizes: dict[str, tuple[int, torch.dtype]] = {}
-        self._gathered: dict[str, Tensor] = {}
+        self._gathered: dict[str, Tensor | list[Tensor]] = {}
         self._order: list[str] = []  # post-forward order of this forward (with multiplicity)
         self._indices: dict[str, list[int]] = {}
         self._device = torch.device("meta")
         self._handles: list = []
+        self._forward = False  # in a unit's pre-forward (FSDP2's TrainingState.FORWARD)
+
+    @classmethod
+    def for_layout(cls, par, prefetch: bool = True) -> Zero3Gathers:
+        """The gathers of layout ``par`` (a ``ParallelConfig``): FSDP2's own buffers under the
+        ``fsdp2`` recipe (``fsdp2_group``), one flat buffer per gather otherwise."""
+        return cls(prefetch, fsdp2_group=fsdp2_group(par))
 
     def install(self, model: nn.Module) -> Zero3Gathers:
         units = unit_params(model)
+        joined_modules: list[nn.Module] = []
+        if self.fsdp2_group is not None:
+            units, joined_modules = self._join_root(model, units)
         # a parameter of two units (a tied head and embedding) is one FSDP2 unit, gathered
         # with the first that runs and held from its forward to the end of backward, as
         # torchtitan wraps them (torchtitan 0.3.0 torchtitan/distributed/fsdp.py
@@ -174,6 +233,7 @@ class Zero3Gathers:
                 if owner[id(p)] != name}
         for name, params in units.items():
             params = [p for p in params if owner[id(p)] == name]
+            self._params[name] = params
             dtypes = {p.dtype for p in params}
             if len(dtypes) == 1:
                 self._sizes[name] = (sum(p.numel() for p in params), dtypes.pop())
@@ -192,7 +252,30 @@ class Zero3Gathers:
                 with_kwargs=True))
             self._handles.append(unit.register_forward_hook(
                 lambda m, args, out, name=name: self._post_forward(name, out)))
+        for module in joined_modules:  # torchtitan's [norm, output]: gathered at the norm
+            name = next(iter(self._joined))
+            self._handles.append(module.register_forward_pre_hook(
+                lambda m, args, kwargs, name=name: self._pre_forward(name, args, kwargs),
+                with_kwargs=True))
         return self
+
+    def _join_root(self, model: nn.Module, units: dict[str, list[nn.Parameter]]):
+        """torchtitan's ``fully_shard([norm, output])`` (module docstring): the root's own
+        parameters, first, join the unit declared kept after its forward (the head), when
+        there is exactly one; returns the units and the modules holding the joined
+        parameters (their pre-forward gathers that unit)."""
+        keep = [name for name, unit in zero3_units(model).items()
+                if name and not reshards_after_forward(unit)]
+        if len(keep) != 1 or not units[""]:
+            return units, []
+        ids = {id(p) for p in units[""]}
+        modules = [m for m in model.modules()
+                   if any(id(p) in ids for p in m.parameters(recurse=False))]
+        units = dict(units)
+        units[keep[0]] = [*units[""], *units[keep[0]]]
+        units[""] = []
+        self._joined = {keep[0]}
+        return units, modules
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -201,6 +284,10 @@ class Zero3Gathers:
 
     # the events
     def gather(self, name: str) -> None:
+        if self.fsdp2_group is not None:
+            self._unshard(name)
+            self._wait_for_unshard(name)
+            return
         numel, dtype = self._sizes.get(name, (0, torch.uint8))
         if name in self._gathered or not numel:
             return
@@ -210,18 +297,79 @@ class Zero3Gathers:
             mode.tag(buffer, Category.PARAMETER)
         self._gathered[name] = buffer
 
+    def _empty(self, numel: int, dtype: torch.dtype, category: Category) -> Tensor:
+        buffer = torch.empty(numel, dtype=dtype, device=self._device)
+        mode = _get_current_dispatch_mode()
+        if isinstance(mode, MemoryTracer):
+            mode.tag(buffer, category)
+        return buffer
+
+    def _padded_shard(self, p: Tensor) -> int:
+        """Elements of ``p``'s FSDP2 shard: dim 0 padded to a multiple of the group
+        (``FSDPParam._init_sharded_param``: ``padded_sharded_param_size``)."""
+        n = self.fsdp2_group
+        rows = p.shape[0] if p.dim() else 1
+        return -(-rows // n) * (p.numel() // max(rows, 1))
+
+    def _unshard(self, name: str) -> None:
+        """``FSDPParamGroup.unshard``: the all-gather issued (module docstring)."""
+        params = self._params.get(name, ())
+        if not params or name in self._gathered or name in self._pending:
+            return
+        if self.fsdp2_group == 1:  # world size 1: nothing gathered, wait_for_unshard copies
+            self._pending[name] = None
+            return
+        _, dtype = self._sizes[name]
+        numel = sum(self._padded_shard(p) * (p.element_size() if dtype is torch.uint8 else 1)
+                    for p in params)
+        copy_in = self._empty(numel, dtype, Category.COMM_BUFFER)
+        output = self._empty(numel * self.fsdp2_group, dtype, Category.COMM_BUFFER)
+        del copy_in  # foreach_all_gather: del param_all_gather_inputs
+        self._pending[name] = output
+
+    def _wait_for_unshard(self, name: str) -> None:
+        """``FSDPParamGroup.wait_for_unshard``: the copy-out into one buffer per parameter
+        (module docstring)."""
+        if name not in self._pending:
+            return
+        output = self._pending.pop(name)
+        params = self._params[name]
+        buffers = []
+        if self.fsdp2_group == 1:
+            cast = None
+            for p in params:  # all_gather_input = fsdp_param.all_gather_inputs[0]
+                cast = self._empty(p.numel(), p.dtype, Category.TEMPORARY)  # noqa: F841
+                buffers.append(self._empty(p.numel(), p.dtype, Category.PARAMETER))
+            del cast
+        else:
+            buffers = [self._empty(self._padded_shard(p) * self.fsdp2_group, p.dtype,
+                                   Category.PARAMETER) for p in params]
+        previous = None
+        if output is not None and self._forward:
+            # implicit prefetch: kept until the next unit's copy-out has ended
+            previous, self._deferred = self._deferred, output
+        del output, previous
+        self._gathered[name] = buffers
+
     def free(self, name: str) -> None:
         self._gathered.pop(name, None)
 
     def end_backward(self) -> None:
         """The root's final callback: reshard every unit still gathered."""
         self._gathered.clear()
+        self._pending.clear()
+        self._deferred = None
         self._order.clear()
         self._indices.clear()
 
     # the hooks
     def _pre_forward(self, name: str, args, kwargs):
+        gathered = name in self._gathered
+        self._forward = True
         self.gather(name)
+        self._forward = False
+        if gathered and name in self._joined:
+            return None  # the norm's pre-forward gathered the unit and wraps its inputs
         if not name or not torch.is_grad_enabled():
             return None
         need = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
@@ -234,6 +382,8 @@ class Zero3Gathers:
         return tuple(args), kwargs
 
     def _post_forward(self, name: str, output):
+        if self.fsdp2_group is not None and (not name or name in self._joined):
+            self._deferred = None  # the root's _post_forward frees the last all-gather output
         if not name:
             return None  # the root stays gathered until the end of backward
         if name not in self.keep_after_forward:
@@ -250,4 +400,7 @@ class Zero3Gathers:
         if self.prefetch and indices:
             index = indices.pop()
             if index > 0:
-                self.gather(self._order[index - 1])
+                if self.fsdp2_group is None:
+                    self.gather(self._order[index - 1])
+                else:  # _backward_prefetch: the all-gather issued, copied out at its use
+                    self._unshard(self._order[index - 1])

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from modeling.kernels import activations, attention, linear, loss, moe, norm, rope, router, swiglu
 from modeling.kernels import context_parallel, fp8
 from modeling.kernels import dropout as dropouts
+from modeling.common.rope import apply_rope
 from tracemem.errors import TracememError
 
 __all__ = ["KERNEL_PROFILES", "MEGATRON_TE_OPTIONS", "TORCH_OPTIONS", "KernelProfile",
@@ -138,6 +139,17 @@ class KernelProfile:
             return attention.eager_attention(q, k, v, scale, dropout, self.dropout)
         return attention.sdpa_attention(q, k, v, scale, dropout)
 
+    def rope_cache(self, inv_freq: Tensor, max_seq_len: int) -> Tensor | None:
+        """The RoPE cache an attention module holds as a buffer, or None: the eager
+        rotate-half form (``modeling.common.rope.apply_rope``) makes cos and sin per call."""
+        return None
+
+    def rope_qk(self, q: Tensor, k: Tensor, inv_freq: Tensor,
+                cache: Tensor | None) -> tuple[Tensor, Tensor]:
+        """RoPE of the eager orchestration's ``q`` ``(b, s, n, d)`` and ``k`` ``(b, s, n_kv,
+        d)``; ``cache``: what ``rope_cache`` made (None here)."""
+        return apply_rope(q, inv_freq), apply_rope(k, inv_freq)
+
     def dropout(self, x: Tensor, p: float, training: bool = True) -> Tensor:
         """Dropout of ``x`` with probability ``p`` (``x`` itself when p is 0 or not training):
         ``F.dropout`` on ``x``'s device (``modeling.kernels.dropout``: CPU and meta keep a
@@ -166,6 +178,17 @@ class TorchKernels(KernelProfile):
 
     def rms_norm(self, module, x):
         return norm.fused_rms_norm(module, x)
+
+    def rope_cache(self, inv_freq, max_seq_len):
+        """torchtitan's ``ComplexRoPE`` cache (``modeling.kernels.rope.complex_rope_cache``)."""
+        return rope.complex_rope_cache(inv_freq, max_seq_len)
+
+    def rope_qk(self, q, k, inv_freq, cache):
+        """torchtitan's ``ComplexRoPE`` (``modeling.kernels.rope.complex_rope``): nothing
+        kept for backward but the cache."""
+        if cache is None:
+            return super().rope_qk(q, k, inv_freq, cache)
+        return rope.complex_rope(q, k, cache)
 
     def dropout(self, x, p, training=True):
         """CUDA's dropout, ``aten::native_dropout``: a bool mask kept."""

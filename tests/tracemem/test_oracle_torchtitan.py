@@ -46,44 +46,93 @@ def test_parameter_bytes_are_torchtitans_fp32_shards(results):
 
 
 def test_residue_rows_by_hand():
-    cfg_case = TitanCase()
     from tracemem.frontdoors.torchtitan import torchtitan_model_config
-    cfg = torchtitan_model_config(oracle._config(cfg_case).model_spec)
-    d = oracle._dims(cfg_case, cfg, 0)
-    attention, scalars, rope = (row.kept(d) for row in oracle.titan_residue(cfg_case, cfg, 0))
+    fsdp1, fsdp2 = TitanCase(), TitanCase(dp=2, spmd_backend="partial_dtensor")
+    cfg = torchtitan_model_config(oracle._config(fsdp1).model_spec)
+    d = oracle._dims(fsdp1, cfg, 0)
+    attention, scalars, copy_out = oracle.titan_residue(fsdp1, cfg, 0)
     # flex: logsumexp + max_scores 2 x 16 x 16 x 4 = 2048; SDPA: logsumexp 16 x 32 x 4 = 2048
     # and philox seed + offset 2 x 8
-    assert attention == 2 * N * S * 4 - (N * 32 * 4 + 16) == -16
-    assert scalars == 4 * 4 + 2 * 2 == 20  # score_mod examples: four int32, two bf16
-    assert rope == -4 * S * D * 2 == -2048  # tracemem's cos / sin casts for q and k
-    out = oracle._dims(cfg_case, cfg, 6)
-    emb = oracle._dims(cfg_case, cfg, -1)
-    norm = [r for r in oracle.TITAN_RESIDUE if r.tensor.startswith("final norm")][0]
-    assert (norm.kept(out), norm.kept(emb)) == (2 * H, -2 * H) == (512, -512)
+    assert attention.kept(d) == 2 * N * S * 4 - (N * 32 * 4 + 16) == -16
+    assert scalars.kept(d) == 4 * 4 + 2 * 2 == 20  # score_mod examples: four int32, two bf16
+    # FSDP2's world-size-1 copy-out (bf16 bytes): torchtitan's order wqkv 393,216, wo
+    # 131,072, w1 w2 w3 393,216 each, attention_norm and ffn_norm 512: the peak at the first
+    # norm's cast, 393,216 + 131,072 + 3 x 393,216 buffers + w3's cast 393,216 + its own 512
+    # = 2,097,664; tracemem's order attn_norm 512, wq wk wv wo 131,072 each, ffn_norm 512,
+    # w1 w2 w3 393,216 each: the peak at w3's cast, 512 + 4 x 131,072 + 512 + 2 x 393,216
+    # buffers + w2's and w3's casts 2 x 393,216 = 2,098,176
+    assert copy_out.forward_peak(d) == 2_097_664 - 2_098_176 == -512
+    # the RoPE casts (tracemem's rotate-half) and the final norm's gather at the root are no
+    # longer rows: fixed (the torch profile runs torchtitan's ComplexRoPE; tracemem.zero3
+    # gathers [norm, head] as one unit under fsdp2); FSDP degree 2 has no copy-out row
+    assert [r.tensor for r in oracle.titan_residue(fsdp2, cfg, 0)] == [attention.tensor,
+                                                                       scalars.tensor]
+    assert oracle.titan_residue(fsdp1, cfg, -1) == oracle.titan_residue(fsdp1, cfg, 6) == []
 
 
 def test_kept_bytes_and_storages_are_equal_or_itemised(results):
     """Every layout: each part's kept bytes differ by exactly the residue's rows and every
-    kept storage without a counterpart is named by a row; the peaks are open (below)."""
+    kept storage without a counterpart is named by a row; the backward peaks are open
+    (below)."""
     for r in results:
         for part in r.torchtitan:
             rows = oracle.titan_residue(r.case, r.cfg, part)
             d = oracle._dims(r.case, r.cfg, part)
             got = r.torchtitan[part].kept - r.tracemem[part].kept
             assert got == sum(row.kept(d) for row in rows), (r.case.name, part)
-        assert all("forward_peak" in line or "backward_peak" in line
-                   for line in r.unexplained), r.unexplained
-    # a layer: -16 (attention) + 20 (flex examples) - 2048 (RoPE) = -2044 B
-    assert results[0].torchtitan[0].kept - results[0].tracemem[0].kept == -2044
+        assert all("backward_peak" in line for line in r.unexplained), r.unexplained
+    # a layer: -16 (attention) + 20 (flex examples) = +4 B; the embedding and the output
+    # equal (the final norm's 512 B gather is the output's on both sides)
+    assert results[0].torchtitan[0].kept - results[0].tracemem[0].kept == 4
+    for part in (-1, 6):
+        assert results[0].torchtitan[part].kept == results[0].tracemem[part].kept
+
+
+def test_forward_peaks_are_fsdp2s_gathers(results):
+    """torch 2.13 FSDP2 as tracemem.zero3 now traces it (fsdp2_group): at degree 2 a layer's
+    forward peak is its all-gather's flat output beside the unsharded parameters during the
+    copy-out (_fsdp_collectives.py foreach_all_gather_copy_out), 2 x its bf16 parameters; at
+    degree 1 the embedding's is its bf16 cast beside its unsharded buffer
+    (_fsdp_param_group.py wait_for_unshard), 2 x 2048 x 256 x 2 B."""
+    fsdp1, fsdp2 = results
+    for side in (fsdp2.torchtitan, fsdp2.tracemem):
+        assert side[0].forward_peak == 2 * 852_480 * 2 == 3_409_920
+    for side in (fsdp1.torchtitan, fsdp1.tracemem):
+        assert side[-1].forward_peak == 2 * V * H * 2 == 2_097_152
+    assert not any("forward_peak" in line for r in results for line in r.unexplained)
+
+
+def test_the_root_final_callback_is_the_embeddings():
+    """torchtitan_patches wraps FSDPParamGroup.post_backward: what the root's final callback
+    allocates for a unit outside any module (the embedding's reduce-scatter) is that unit's,
+    not the root's (which the oracle gives to the output part)."""
+    import torch
+
+    from tracemem.oracle.torchtitan_patches import _attribute_post_backward
+    from tracemem.tracer import MemoryTracer
+
+    class Group:  # the one attribute the wrapper reads, FSDPParamGroup._module_fqn
+        _module_fqn = "tok_embeddings"
+
+        def post_backward(self):
+            self.buffer = torch.empty(16, device="meta")
+
+    tracer, group = MemoryTracer(rounding=None, devices={"meta"}), Group()
+    with tracer:
+        _attribute_post_backward(Group.post_backward)(group)
+    assert [(e.action, e.nbytes, e.module) for e in tracer.events] == [
+        ("alloc", 64, "tok_embeddings")]
 
 
 def test_open_peaks_are_reported_unexplained(results):
-    # the FSDP2 all-gather's flat output alive beside the unsharded parameters during the
-    # copy-out (torch 2.13 _fsdp_collectives.py foreach_all_gather_copy_out) is not in
-    # tracemem.zero3: the layer's forward peak is 2 x its bf16 parameters on torchtitan's side
-    fsdp2 = next(r for r in results if r.case.dp == 2)
-    assert fsdp2.torchtitan[0].forward_peak == 2 * 852_480 * 2 == 3_409_920
-    assert any("forward_peak" in line for line in fsdp2.unexplained)
+    # the backward peaks: FSDP2's gradient reduce-scatter buffers (foreach_reduce: the fp32
+    # reduce-scatter input and output, retained until the next unit's) are not in
+    # tracemem.zero3; at degree 1 they are the layer's backward peak on torchtitan's side,
+    # 3 fp32 buffers of the unit's 852,480 elements (input, output, the divided copy)
+    fsdp1 = results[0]
+    at_peak = [(n, dtype) for n, dtype, *_ in fsdp1.torchtitan[3].backward_peak_storages]
+    assert at_peak == [(852_480 * 4, "float32")] * 3
+    assert any("part 3: backward_peak" in line for line in fsdp1.unexplained)
 
 
 def test_a_planted_difference_fails(results):
@@ -94,7 +143,7 @@ def test_a_planted_difference_fails(results):
         kept_storages=r.torchtitan[2].kept_storages + ((64, "float32", (16,), "layers.2",
                                                         "aten::empty"),))
     lines = oracle.unexplained(planted)
-    assert any("part 2: kept differs by -1,980 B; the residue explains -2,044 B" in line
+    assert any("part 2: kept differs by +68 B; the residue explains +4 B" in line
                for line in lines)
     assert any("part 2: kept storages only on torchtitan's side" in line for line in lines)
 

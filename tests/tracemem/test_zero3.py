@@ -102,3 +102,130 @@ def test_static_reports_the_largest_unit_including_the_head(capsys):
                  "--zero", "3", "--json"]) == 0
     stage = json.loads(capsys.readouterr().out)["stages"][0]
     assert stage["zero3_gather_bytes"] == 102_400 * 2048 * 2 == 419_430_400
+
+
+# ------------------------------------------------------------ FSDP2's own buffers (issue 25)
+# torch 2.13 torch/distributed/fsdp/_fully_shard/: _fsdp_collectives.py foreach_all_gather
+# (copy-in, flat output), foreach_all_gather_copy_out (one buffer per parameter),
+# _fsdp_param_group.py wait_for_unshard (the flat output freed after the next unit's copy-out
+# in forward, at once in backward; the world-size-1 copies); torchtitan 0.3.0
+# distributed/fsdp.py apply_fsdp_to_decoder ([norm, output] one unit). The small model below
+# makes every byte count hand arithmetic: bf16 = 2 B.
+from torch import nn  # noqa: E402
+
+from modeling.parallel.groups import declare_fsdp_unit  # noqa: E402
+from tracemem.zero3 import fsdp2_group  # noqa: E402
+
+
+class _Tiny(nn.Module):
+    """embed (10 x 4) -> layer: up (6 x 4), down (4 x 6) -> norm (4, the root's) -> head
+    (10 x 4, kept after forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = declare_fsdp_unit(nn.Embedding(10, 4))
+        self.layer = declare_fsdp_unit(nn.Sequential(nn.Linear(4, 6, bias=False),
+                                                     nn.Linear(6, 4, bias=False)))
+        self.norm = nn.RMSNorm(4)
+        self.head = declare_fsdp_unit(nn.Linear(4, 10, bias=False),
+                                      reshard_after_forward=False)
+
+    def forward(self, tokens):
+        return self.head(self.norm(self.layer(self.embed(tokens)))).float().sum()
+
+
+def _fsdp2_events(group):
+    model = _Tiny().to(device="meta", dtype=torch.bfloat16)
+    gathers = Zero3Gathers(fsdp2_group=group).install(model)
+    tracer = MemoryTracer(rounding=None, devices={"meta"})
+    tracer.track_external(model)
+    with tracer:
+        loss = model(torch.zeros(1, 3, dtype=torch.long, device="meta"))
+        forward = len(tracer.events)
+        loss.backward()
+        gathers.end_backward()
+    gathers.remove()
+    # the storages Zero3Gathers makes: torch.empty in a unit's hooks (the model's own ops
+    # make none with aten::empty here)
+    ours = {e.storage_id for e in tracer.events
+            if e.action == "alloc" and e.op == "aten::empty.memory_format"}
+
+    def of(events):
+        return [(e.action, e.nbytes, e.category.value) for e in events
+                if e.storage_id in ours]
+    return of(tracer.events[:forward]), of(tracer.events[forward:])
+
+
+def test_fsdp2_forward_holds_the_flat_all_gather_output_beside_the_parameters():
+    fwd, _ = _fsdp2_events(2)
+    P, C = "parameter", "comm_buffer"
+    assert fwd == [
+        # embed, 40 elements: copy-in 20 x 2 = 40 B, flat output 80 B, copy-in freed, the
+        # weight's buffer 80 B; resharded at its post-forward (its output stays: deferred)
+        ("alloc", 40, C), ("alloc", 80, C), ("free", 40, C), ("alloc", 80, P),
+        ("free", 80, P),
+        # layer, 24 + 24 elements: copy-in 48 B, output 96 B, copy-in freed, up and down 48 B
+        # each; only then the embed's output freed (the end of the layer's wait_for_unshard);
+        # the layer resharded at its post-forward
+        ("alloc", 48, C), ("alloc", 96, C), ("free", 48, C), ("alloc", 48, P),
+        ("alloc", 48, P), ("free", 80, C), ("free", 48, P), ("free", 48, P),
+        # [norm, head] gathered at the norm (the root's 4 elements first, then 40): copy-in
+        # (2 + 20) x 2 = 44 B, output 88 B, the norm's 8 B and the head's 80 B buffers (kept
+        # after forward), the layer's output freed; the root's post-forward, placed after
+        # the head, frees the unit's output
+        ("alloc", 44, C), ("alloc", 88, C), ("free", 44, C), ("alloc", 8, P),
+        ("alloc", 80, P), ("free", 96, C), ("free", 88, C)]
+    # during the layer's copy-out: its output and its buffers (2 x 96 B) and the embed's 80 B
+
+
+def test_fsdp2_backward_prefetches_the_all_gather_and_copies_out_at_use():
+    _, bwd = _fsdp2_events(2)
+    P, C = "parameter", "comm_buffer"
+    assert bwd == [
+        # the head's pre-backward (still gathered) prefetches the layer: all-gather issued
+        ("alloc", 48, C), ("alloc", 96, C), ("free", 48, C),
+        # [norm, head] resharded after the norm's backward (its post-backward hook is on the
+        # norm's input)
+        ("free", 80, P), ("free", 8, P),
+        # the layer's pre-backward: copy-out, the output freed at once (backward), then the
+        # embed prefetched; the layer resharded after its backward
+        ("alloc", 48, P), ("alloc", 48, P), ("free", 96, C),
+        ("alloc", 40, C), ("alloc", 80, C), ("free", 40, C),
+        ("free", 48, P), ("free", 48, P),
+        # the embed's pre-backward copies out; the root's final callback reshards it (its
+        # inputs need no gradient)
+        ("alloc", 80, P), ("free", 80, C), ("free", 80, P)]
+
+
+def test_fsdp2_world_size_1_copies_each_parameter_from_its_cast():
+    fwd, _ = _fsdp2_events(1)
+    P, T = "parameter", "temporary"
+    # nothing all-gathered; per parameter its bf16 cast (the whole parameter), then the cast
+    # before it freed (the loop variable rebound), then its unsharded buffer; the last cast
+    # freed when wait_for_unshard returns
+    assert fwd == [
+        ("alloc", 80, T), ("alloc", 80, P), ("free", 80, T), ("free", 80, P),  # embed
+        ("alloc", 48, T), ("alloc", 48, P), ("alloc", 48, T), ("free", 48, T),  # layer
+        ("alloc", 48, P), ("free", 48, T), ("free", 48, P), ("free", 48, P),
+        ("alloc", 8, T), ("alloc", 8, P), ("alloc", 80, T), ("free", 8, T),  # norm, head
+        ("alloc", 80, P), ("free", 80, T)]
+
+
+def test_fsdp2_buffers_pad_dim_0_to_the_group():
+    # FSDPParam.padded_sharded_param_size: a (10, 4) weight over 4 ranks is 3 rows a rank,
+    # so the copy-in is 3 x 4 x 2 = 24 B and the flat output and the buffer 4 x 24 = 96 B
+    fwd, _ = _fsdp2_events(4)
+    assert fwd[:4] == [("alloc", 24, "comm_buffer"), ("alloc", 96, "comm_buffer"),
+                       ("free", 24, "comm_buffer"), ("alloc", 96, "parameter")]
+
+
+def test_fsdp2_group_only_for_the_fsdp2_recipe():
+    # Megatron's ZeRO-3 / Megatron-FSDP keep one flat buffer per gather (no fsdp2_group)
+    assert fsdp2_group(ParallelConfig.create(TINY, world_size=2, zero=3)) is None
+    assert fsdp2_group(ParallelConfig.create(TINY, world_size=2, zero=3,
+                                             precision="fsdp2")) == 2
+    # the group is the dense parameters' shard group, DP x CP (tracemem.parallel.SHARDING)
+    assert fsdp2_group(ParallelConfig.create(TINY, world_size=4, zero=3, cp=2,
+                                             precision="fsdp2")) == 4
+    assert Zero3Gathers.for_layout(ParallelConfig.create(TINY, world_size=2,
+                                                         zero=3)).fsdp2_group is None

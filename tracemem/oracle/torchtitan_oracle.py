@@ -19,7 +19,9 @@ device under ``MemoryTracer``, rank 0 of the layout, batch 1, ``seq_len`` tokens
 - tracemem: ``modeling.parallel.build_rank(cfg, ParallelConfig(zero=3, precision="fsdp2"),
   0, kernels="torch")`` of the ModelConfig the torchtitan front door reads from the same
   config (``tracemem.frontdoors.torchtitan.torchtitan_model_config``), with
-  ``tracemem.zero3.Zero3Gathers`` installed (the estimator's FSDP2 gathers).
+  ``tracemem.zero3.Zero3Gathers.for_layout`` installed (FSDP2's own buffers over the FSDP
+  group, ``fsdp2_group``: copy-in, flat all-gather output, one buffer per parameter, the
+  world-size-1 copies; ``[norm, head]`` one unit).
 
 Parts (``compare.LayerBytes``): -1 the embedding, each decoder layer, ``num_layers`` the
 output (final norm, head, loss); per part the bytes its forward made that are alive when
@@ -215,7 +217,7 @@ def _run_tracemem(cfg, case: TitanCase) -> dict[int, LayerBytes]:
     par = ParallelConfig.create(cfg, world_size=case.world_size, tp=case.tp,
                                 sp=case.sp and case.tp > 1, zero=3, precision="fsdp2")
     model = build_rank(cfg, par, 0, dtype=torch.bfloat16, kernels=get_profile("torch"))
-    gathers = Zero3Gathers().install(model)
+    gathers = Zero3Gathers.for_layout(par).install(model)
     part = _part_index("layers.", ("embed",), ("norm", "head"), cfg.num_layers)
     params = {k: v * 2 // case.dp for k, v in _param_bytes(model, part).items()}
     routing = Balanced()
@@ -250,8 +252,9 @@ def run_case(case: TitanCase) -> TitanResult:
 @dataclass(frozen=True)
 class _Dims:
     """What the residue's bytes are made of, for one part of one layout: ``s`` tokens, ``n``
-    attention heads and ``d`` head dim on this rank, ``h`` the hidden size, ``part``
-    "layer", "embedding" or "output"."""
+    attention heads, ``n_kv`` key / value heads and ``d`` head dim on this rank, ``h`` the
+    hidden size, ``ffn`` the MLP's intermediate size on this rank, ``part`` "layer",
+    "embedding" or "output"."""
 
     case: TitanCase
     part: str
@@ -259,6 +262,8 @@ class _Dims:
     n: int
     d: int
     h: int
+    n_kv: int
+    ffn: int
 
 
 @dataclass(frozen=True)
@@ -313,35 +318,51 @@ TITAN_RESIDUE: tuple[TitanRule, ...] = (
                "oracle's patch), torch.compile once at compile time: not a GPU allocation of "
                "a compiled torchtitan step"),
     TitanRule(
-        "RoPE cos / sin copies 4 x [b, s, 1, d] bf16", "every layer (tracemem only)",
-        lambda d: d.part == "layer",
-        kept=lambda d: -4 * d.s * d.d * 2, forward_peak=lambda d: 0,
-        backward_peak=lambda d: 0, storages=lambda d: (),
-        tracemem_storages=lambda d: ((d.s * d.d * 2, "bfloat16"),) * 4,
-        reason="torchtitan 0.3.0 models/common/rope.py ComplexRoPE multiplies q and k by "
-               "its complex64 freqs_cis buffer (module state; the product's backward needs "
-               "only that buffer); tracemem's rotary embedding keeps bf16 casts of cos and "
-               "sin for q and for k in every layer: a tracemem over-count of 8 b s d B per "
-               "layer (a fault of tracemem's)"),
-    TitanRule(
-        "final norm weight, gathered [h] bf16", "embedding (tracemem) / output (torchtitan)",
-        lambda d: d.part in ("embedding", "output"),
-        kept=lambda d: 2 * d.h if d.part == "output" else -2 * d.h,
-        forward_peak=lambda d: 0, backward_peak=lambda d: 0,
-        storages=lambda d: ((2 * d.h, "bfloat16"),) if d.part == "output" else (),
-        tracemem_storages=lambda d: ((2 * d.h, "bfloat16"),) if d.part == "embedding" else (),
-        reason="torchtitan 0.3.0 distributed/fsdp.py apply_fsdp_to_decoder shards [norm, "
-               "lm_head] as one unit, gathered when the norm runs and kept (reshard_after_"
-               "forward False); tracemem.zero3 leaves the final norm to the root unit, "
-               "gathered at the root's pre-forward, before the embedding: the same bytes "
-               "held from earlier (a fault of tracemem's, 2 h B)"),
+        "FSDP2's world-size-1 copy-out: one bf16 cast beside the next, in each side's "
+        "parameter order", "every layer, FSDP degree 1", lambda d: d.part == "layer"
+        and d.case.dp == 1,
+        kept=lambda d: 0,
+        forward_peak=lambda d: (_copy_out_peak(_titan_block_order(d))
+                                - _copy_out_peak(_tracemem_block_order(d))),
+        backward_peak=lambda d: 0, storages=lambda d: (), tracemem_storages=lambda d: (),
+        reason="torch 2.13 _fsdp_param_group.py FSDPParamGroup.wait_for_unshard at world "
+               "size 1 copies each parameter from its bf16 cast (all_gather_input = "
+               "fsdp_param.all_gather_inputs[0]) into its unsharded buffer; the loop "
+               "variable holds the previous cast until the next is made, so the copy-out "
+               "peaks at max over i of (the unsharded buffers before parameter i, plus the "
+               "casts of parameters i - 1 and i); tracemem.zero3 does the same in tracemem's "
+               "order. torchtitan 0.3.0 models/common/decoder.py TransformerBlock registers "
+               "attention (one fused qkv_linear.wqkv, wo), feed_forward (w1, w2, w3), then "
+               "attention_norm and ffn_norm; tracemem's Block registers attn_norm, wq, wk, "
+               "wv, wo, ffn_norm, w1, w2, w3: the same bytes gathered, a different order "
+               "(modeling's module layout, not a gather fault)"),
 )
+
+
+def _copy_out_peak(sizes: list[int]) -> int:
+    """Bytes at the peak of FSDP2's world-size-1 copy-out of parameters of ``sizes`` bf16
+    bytes, in order: unsharded buffers so far plus the previous and the current cast."""
+    return max(sum(sizes[:i]) + (sizes[i - 1] if i else 0) + sizes[i]
+               for i in range(len(sizes)))
+
+
+def _titan_block_order(d: _Dims) -> list[int]:
+    """torchtitan's TransformerBlock parameters, bf16 bytes, in registration order."""
+    h, q, kv, f = d.h, d.n * d.d, d.n_kv * d.d, d.ffn
+    return [2 * x for x in ((q + 2 * kv) * h, h * q, f * h, h * f, f * h, h, h)]
+
+
+def _tracemem_block_order(d: _Dims) -> list[int]:
+    """tracemem's Block parameters (GQA, SwiGLU MLP), bf16 bytes, in registration order."""
+    h, q, kv, f = d.h, d.n * d.d, d.n_kv * d.d, d.ffn
+    return [2 * x for x in (h, q * h, kv * h, kv * h, h * q, h, f * h, h * f, f * h)]
 
 
 def _dims(case: TitanCase, cfg, part: int) -> _Dims:
     kind = "embedding" if part < 0 else "output" if part >= cfg.num_layers else "layer"
     return _Dims(case, kind, case.seq_len, cfg.num_attention_heads // case.tp,
-                 cfg.head_dim, cfg.hidden_size)
+                 cfg.head_dim, cfg.hidden_size, cfg.num_key_value_heads // case.tp,
+                 cfg.intermediate_size // case.tp)
 
 
 def titan_residue(case: TitanCase, cfg, part: int) -> list[TitanRule]:

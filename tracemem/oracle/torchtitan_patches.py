@@ -41,6 +41,13 @@ and ``applied()`` undoes them all on exit.
   dtype and rstd ``(..., 1)`` fp32, saving input, weight and rstd (torch 2.13
   ``tools/autograd/derivatives.yaml`` ``_fused_rms_norm``); backward
   (``_fused_rms_norm_backward``) makes the input and weight gradients.
+- ``_fsdp_param_group.py`` ``FSDPParamGroup.post_backward`` (the gradient reduce-scatter and
+  reshard of one unit): run by ``_fsdp_state.py`` ``FSDPState._root_post_backward_final_callback``
+  for a unit whose inputs need no gradient (the embedding: its post-backward hook never
+  fires) after autograd's last node, where the tracer finds no module (no module runs, no
+  autograd node is current) and would name the root; wrapped so that what it allocates
+  outside any module is attributed to the unit's own module (``_module_fqn``), whose work it
+  is (``_attribute_post_backward``).
 - FSDP2 frees and re-allocates unsharded parameters with ``untyped_storage().resize_``
   (``_fsdp_param.py`` ``free_storage`` / ``alloc_storage``), below the dispatcher: wrapped to
   tell the tracer (``MemoryTracer.storage_resized``), so a reshard is a free in the trace.
@@ -107,6 +114,24 @@ def _notify_resize(original):
     return resize
 
 
+def _attribute_post_backward(original):
+    def post_backward(self, *args, **kwargs):
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        from tracemem.tracer import MemoryTracer
+        mode = _get_current_dispatch_mode()
+        start = len(mode.events) if isinstance(mode, MemoryTracer) else None
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if start is not None and self._module_fqn:
+                for event in mode.events[start:]:
+                    # the storage's record: the module the tracer found for it ("": none)
+                    if event.action == "alloc" and event._storage.module == "":
+                        event._storage.module = self._module_fqn
+    return post_backward
+
+
 def _cpu_handle(device_type: str = "cuda"):
     return torch.cpu if device_type in ("meta", "cpu") else getattr(torch, device_type, None)
 
@@ -152,7 +177,8 @@ def applied() -> Iterator[None]:
              (collectives, "_get_device_handle"),
              (param_group.FSDPParamGroup, "_validate_no_meta_params"),
              (F, "rms_norm"), (fsdp_param, "alloc_storage"), (fsdp_param, "free_storage"),
-             (param_group, "alloc_storage"), (flex, "_validate_device"),
+             (param_group, "alloc_storage"), (param_group.FSDPParamGroup, "post_backward"),
+             (flex, "_validate_device"),
              (flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG")]
     old = [(obj, name, obj.__dict__[name]) for obj, name in saved]
     old_flex = FlexAttention.__dict__["_compiled_flex_attn"]
@@ -166,6 +192,8 @@ def applied() -> Iterator[None]:
         fsdp_param.free_storage = _notify_resize(fsdp_param.free_storage)
         fsdp_param.alloc_storage = _notify_resize(fsdp_param.alloc_storage)
         param_group.alloc_storage = _notify_resize(param_group.alloc_storage)
+        param_group.FSDPParamGroup.post_backward = _attribute_post_backward(
+            param_group.FSDPParamGroup.post_backward)
         flex._validate_device = lambda *tensors: None
         flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
         FlexAttention._compiled_flex_attn = staticmethod(eager_flex)

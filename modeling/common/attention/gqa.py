@@ -114,6 +114,12 @@ class GQA(nn.Module):
         if self.rope:
             self.register_buffer("inv_freq", inv_freq(cfg.rotary_dim, cfg.rope_theta),
                                  persistent=False)  # (rotary_dim / 2,)
+            # the profile's RoPE cache, module state (torch: torchtitan's ComplexRoPE
+            # freqs_cis, (max_position_embeddings, d / 2) complex64); not for partial RoPE
+            cache = (kern.rope_cache(self.inv_freq, cfg.max_position_embeddings)
+                     if cfg.rotary_dim == d else None)
+            if cache is not None:
+                self.register_buffer("rope_cache", cache, persistent=False)
 
     def forward(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
         """``x`` ``(b, s / (cp * sp), h)``; ``norm`` the layer's input norm when the
@@ -128,7 +134,7 @@ class GQA(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
-            q, k = apply_rope(q, self.inv_freq), apply_rope(k, self.inv_freq)
+            q, k = self.kernels.rope_qk(q, k, self.inv_freq, getattr(self, "rope_cache", None))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, n, s / cp, d)
         # CP: every rank needs all keys and values (all-gather variant of context parallelism)
         k, v = all_gather(k, self.cp, dim=2), all_gather(v, self.cp, dim=2)
