@@ -512,7 +512,7 @@ def _fp8_argv(args: argparse.Namespace) -> list[str]:
 
 def _fp8_kernel_options(args: argparse.Namespace) -> dict:
     """The megatron-te FP8 options of the FP8 flags, mapped by the Megatron-LM front door's
-    own function (``tracemem.frontdoors.megatron._fp8_options``), so the two doors give the
+    own function (``tracemem.frontdoors.megatron.fp8_options``), so the two doors give the
     same job; {} without ``--fp8-format``. tracemem's ``--zero`` 1 or more is Megatron's
     distributed optimizer; a command without ``--zero`` (fit: a search dimension) leaves that
     check to the layout.
@@ -521,7 +521,7 @@ def _fp8_kernel_options(args: argparse.Namespace) -> dict:
         TracememError: another FP8 flag without ``--fp8-format``; what the mapping refuses
             (``--fp8-recipe custom``, ``--fp8-param-gather`` with mxfp8 or ``--zero 0``).
     """
-    from tracemem.frontdoors.megatron import _fp8_options
+    from tracemem.frontdoors.megatron import fp8_options
 
     if not hasattr(args, "fp8"):
         return {}
@@ -532,7 +532,7 @@ def _fp8_kernel_options(args: argparse.Namespace) -> dict:
         return {}
     names = {record["dest"]: getattr(args, record["dest"])
              for record in _fp8_records().values()}
-    return _fp8_options(argparse.Namespace(
+    return fp8_options(argparse.Namespace(
         **names, use_distributed_optimizer=getattr(args, "zero", 1) != 0,
         use_megatron_fsdp=False, use_torch_fsdp2=False))
 

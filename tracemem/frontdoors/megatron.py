@@ -50,7 +50,8 @@ from tracemem.frontdoors.megatron_tables import (ENV_HONOURED, ENV_NEUTRAL,
                                                  REFUSED)
 
 __all__ = ["megatron_job_kwargs", "megatron_job", "megatron_approximations",
-           "to_megatron_args", "megatron_flag_changes", "following_changes", "REFUSED_WHEN",
+           "to_megatron_args", "megatron_flag_changes", "following_changes", "fp8_options",
+           "REFUSED_WHEN",
            "APPROXIMATIONS_WHEN",
            "MODEL_NAME", "RECOMPUTE_MODULE_NAMES"]
 
@@ -105,12 +106,15 @@ REFUSED_WHEN: dict[str, Callable[[argparse.Namespace], bool]] = {
 }
 
 
-def _fp8_options(ns) -> dict:
+def fp8_options(ns) -> dict:
     """The megatron-te FP8 options of ``--fp8-format`` / ``--fp8-recipe`` (Megatron's
     ``fp8_utils.py`` ``get_fp8_recipe``), ``--fp8-param-gather``, ``--fp8-amax-history-len``
     and ``--first-last-layers-bf16`` with ``--num-layers-at-start-in-bf16`` /
     ``--num-layers-at-end-in-bf16`` (``is_first_last_bf16_layer``). DeepSeek-V3's own FP8
-    scheme and torchao's Float8 are not these flags and not modelled yet.
+    scheme and torchao's Float8 are not these flags and not modelled yet. ``ns``: a namespace
+    with Megatron's dests (``fp8``, ``fp8_recipe``, ``fp8_param_gather``, ...); shared with
+    tracemem's own FP8 flags (``tracemem.cli``), so the two doors give the same job;
+    ``to_megatron_args`` writes the inverse (``_fp8_args``).
 
     Raises:
         TracememError: ``--fp8-recipe custom`` (a user quantizer factory), ``--fp8-param-gather``
@@ -140,6 +144,28 @@ def _fp8_options(ns) -> dict:
             "fp8_amax_history_len": int(ns.fp8_amax_history_len),
             "fp8_layers_at_start_in_bf16": int(ns.num_layers_at_start_in_bf16) if bf16 else 0,
             "fp8_layers_at_end_in_bf16": int(ns.num_layers_at_end_in_bf16) if bf16 else 0}
+
+
+def _fp8_args(options: Mapping[str, Any]) -> list[str]:
+    """``fp8_options``' inverse: the megatron-te options of a job that runs FP8 (``fp8_recipe``
+    not "none") as Megatron-LM arguments, ``--fp8-format`` and ``--fp8-recipe`` always, each
+    other argument where it differs from Megatron's default (read from the pinned argument
+    data: ``--fp8-amax-history-len`` 1, ``--num-layers-at-start-in-bf16`` /
+    ``--num-layers-at-end-in-bf16`` 1). ``fp8_arch`` is the GPU's (``--gpu``), not an argument.
+    """
+    default = {record["dest"]: record["default"] for record in megatron_arguments()}
+    out = ["--fp8-format", options["fp8_format"], "--fp8-recipe", options["fp8_recipe"]]
+    if options["fp8_param_gather"]:
+        out += ["--fp8-param-gather"]
+    if options["fp8_amax_history_len"] != default["fp8_amax_history_len"]:
+        out += ["--fp8-amax-history-len", str(options["fp8_amax_history_len"])]
+    counts = {"num_layers_at_start_in_bf16": options["fp8_layers_at_start_in_bf16"],
+              "num_layers_at_end_in_bf16": options["fp8_layers_at_end_in_bf16"]}
+    if any(counts.values()):  # both counts apply under --first-last-layers-bf16
+        out += ["--first-last-layers-bf16"]
+        out += [token for dest, n in counts.items() if n != default[dest]
+                for token in ("--" + dest.replace("_", "-"), str(n))]
+    return out
 
 
 def _uses_rope(ns) -> bool:
@@ -746,7 +772,7 @@ def megatron_job_kwargs(argv, *, env: Mapping[str, str] | None = None,
                                   else "alltoall"),
             moe_router_dtype="fp32" if ns.moe_router_dtype == "fp32" else "input")
     if ns.fp8 is not None:  # --fp8-format: TE's FP8 recipes (modeling.kernels.fp8)
-        kernel_options.update(_fp8_options(ns))
+        kernel_options.update(fp8_options(ns))
     if cp_comm_type == "p2p":  # allgather is the profile's default: left unset
         kernel_options["cp_comm_type"] = "p2p"
     if backend == "flash":  # TE's FlashAttention backend (unfused is the attention kind
@@ -900,6 +926,9 @@ _GROUP_FLAGS: dict[str, tuple[str, ...]] = {
     "kernels": ("--transformer-impl", "--cross-entropy-loss-fusion",
                 "--cross-entropy-fusion-impl", "--moe-shared-expert-overlap",
                 "--moe-router-dtype", "--moe-token-dispatcher-type", "--moe-permute-fusion"),
+    "fp8": ("--fp8-format", "--fp8-recipe", "--fp8-param-gather", "--fp8-amax-history-len",
+            "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
+            "--num-layers-at-end-in-bf16"),
     "layout": ("--account-for-embedding-in-pipeline-split",
                "--account-for-loss-in-pipeline-split", "--decoder-first-pipeline-num-layers",
                "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout",
@@ -1126,6 +1155,23 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
                 out += ["--moe-permute-fusion"]
         return out
 
+    def fp8():  # the megatron-te FP8 options (fp8_options' inverse: _fp8_args)
+        if f["kernels"] != "megatron-te":
+            return []  # the kernels group says why
+        options = {key: spec[1] for key, spec in MEGATRON_TE_OPTIONS.items()}
+        options.update(f.get("_profile_options") or {})
+        options.update(f.get("kernel_options") or {})
+        if options["fp8_recipe"] != "none":
+            return _fp8_args(options)
+        # without FP8 Megatron has no FP8 argument to give (fp8_arch is the GPU's)
+        stray = [key for key in ("fp8_format", "fp8_param_gather", "fp8_amax_history_len",
+                                 "fp8_layers_at_start_in_bf16", "fp8_layers_at_end_in_bf16")
+                 if options[key] != MEGATRON_TE_OPTIONS[key][1]]
+        if stray:
+            _no(f"kernel_options {stray[0]} {options[stray[0]]!r} without an fp8_recipe "
+                f"(Megatron-LM runs FP8 only with --fp8-format)")
+        return []
+
     def layout():
         out = []
         if f["account_for_embedding_in_pipeline_split"]:
@@ -1213,7 +1259,8 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
         "etp": etp,
         "model": lambda: model()[0],
         "vocab": lambda: model()[1],
-        "attention": attention, "kernels": kernels, "layout": layout, "recompute": recompute,
+        "attention": attention, "kernels": kernels, "fp8": fp8, "layout": layout,
+        "recompute": recompute,
         "micro_batch_size": lambda: [] if f["micro_batch_size"] is None else [
             "--micro-batch-size", str(f["micro_batch_size"])],
         "global_batch_size": global_batch,
@@ -1268,8 +1315,11 @@ def to_megatron_args(job) -> list[str]:
     ``megatron_job_kwargs`` on the honoured arguments. A job that came from Megatron
     arguments (``megatron_args``) keeps them, with each group of flags the job changed
     replaced (so paths, learning rates and every neutral argument stay as the user wrote
-    them); any other job gets its arguments in Megatron's order. The world size is not an
-    argument (Megatron's launcher gives it), nor is ``alloc_conf`` (PYTORCH_CUDA_ALLOC_CONF).
+    them); any other job gets its arguments in Megatron's order. A job that runs FP8 (the
+    megatron-te option ``fp8_recipe``) gets ``--fp8-format``, ``--fp8-recipe`` and the other FP8
+    arguments that leave Megatron's defaults (``_fp8_args``). The world size is not an
+    argument (Megatron's launcher gives it), nor is ``alloc_conf`` (PYTORCH_CUDA_ALLOC_CONF),
+    nor the GPU (``gpu``, and with it the megatron-te option ``fp8_arch``).
 
     Raises:
         TracememError: a field with no Megatron-LM argument (another schedule, kernel profile,

@@ -640,6 +640,96 @@ def test_to_megatron_args_of_a_megatron_job_keeps_its_arguments_and_replaces_a_c
                             "--recompute-num-layers", "1", "--use-distributed-optimizer"]
 
 
+# FP8 arguments -> what to_megatron_args writes back: --fp8-format and --fp8-recipe always, the
+# others where they leave Megatron's defaults (arguments.py: --fp8-recipe delayed,
+# --fp8-amax-history-len 1, --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16 1)
+FP8_ROUND_TRIPS = {
+    "--fp8-format hybrid": "--fp8-format hybrid --fp8-recipe delayed",
+    "--fp8-format e4m3 --fp8-amax-history-len 16 --first-last-layers-bf16 "
+    "--num-layers-at-end-in-bf16 2": "--fp8-format e4m3 --fp8-recipe delayed "
+    "--fp8-amax-history-len 16 --first-last-layers-bf16 --num-layers-at-end-in-bf16 2",
+    "--fp8-format e4m3 --fp8-recipe blockwise --fp8-param-gather --first-last-layers-bf16 "
+    "--num-layers-at-start-in-bf16 0 --num-layers-at-end-in-bf16 1": "--fp8-format e4m3 "
+    "--fp8-recipe blockwise --fp8-param-gather --first-last-layers-bf16 "
+    "--num-layers-at-start-in-bf16 0",
+}
+_FP8_FLAGS = {"--fp8-format", "--fp8-recipe", "--fp8-param-gather", "--fp8-amax-history-len",
+              "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
+              "--num-layers-at-end-in-bf16"}
+
+
+def _fp8_tokens(argv):
+    """The FP8 arguments of ``argv``, in order."""
+    out, keep = [], False
+    for token in argv:
+        if token.startswith("--"):
+            keep = token in _FP8_FLAGS
+        if keep:
+            out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("fp8", FP8_ROUND_TRIPS)
+def test_to_megatron_args_writes_the_fp8_arguments_back(fp8):
+    # G stated (b 1 x DP 2): without it to_megatron_args writes the G it means
+    kwargs = megatron_job_kwargs(_tiny(*fp8.split(), "--use-distributed-optimizer",
+                                       "--global-batch-size", "2"), world_size=2)
+    fresh = {k: v for k, v in kwargs.items() if k != "megatron_args"}
+    argv = to_megatron_args(fresh)
+    assert _fp8_tokens(argv) == FP8_ROUND_TRIPS[fp8].split()
+    again = megatron_job_kwargs(argv, world_size=2)
+    assert {k: v for k, v in again.items() if k != "megatron_args"} == fresh
+
+
+@pytest.mark.parametrize("options, fp8", [
+    ({"fp8_recipe": "tensorwise"}, "--fp8-format hybrid --fp8-recipe tensorwise"),
+    ({"fp8_recipe": "delayed", "fp8_format": "e4m3", "fp8_amax_history_len": 1024,
+      "fp8_layers_at_start_in_bf16": 1, "fp8_layers_at_end_in_bf16": 1},
+     "--fp8-format e4m3 --fp8-recipe delayed --fp8-amax-history-len 1024 "
+     "--first-last-layers-bf16"),
+    ({"fp8_recipe": "blockwise", "fp8_param_gather": True, "fp8_layers_at_end_in_bf16": 2},
+     "--fp8-format hybrid --fp8-recipe blockwise --fp8-param-gather --first-last-layers-bf16 "
+     "--num-layers-at-start-in-bf16 0 --num-layers-at-end-in-bf16 2"),
+], ids=["tensorwise", "delayed-bf16-ends", "blockwise-param-gather"])
+def test_a_python_fp8_job_printed_as_megatron_arguments_reads_back_to_its_kernels(options, fp8):
+    # the kernel options not given take MEGATRON_TE_OPTIONS' defaults (fp8_format hybrid, no
+    # bf16 layers); Megatron's loss flags state only native or none
+    from tracemem.job import Job
+
+    job = Job(model="deepseek-tiny", world_size=2, micro_batch_size=1, seq_length=64,
+              num_microbatches=2, zero=1,
+              kernel_options={"cross_entropy_fusion": "none", **options})
+    argv = to_megatron_args(job)
+    assert _fp8_tokens(argv) == fp8.split()
+    again = megatron_job(argv, world_size=2)
+    assert again.profile.options == job.profile.options
+
+
+def test_a_changed_fp8_recipe_replaces_the_fp8_arguments_of_a_megatron_job():
+    from tracemem.job import Job
+
+    job = Job(**megatron_job_kwargs(_tiny("--fp8-format", "e4m3", "--fp8-amax-history-len",
+                                          "16"), world_size=1))
+    changed = to_megatron_args(job.with_changes(
+        kernel_options=dict(job.kernel_options) | {"fp8_recipe": "tensorwise"}))
+    assert changed == _tiny() + ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
+                                 "--fp8-amax-history-len", "16"]
+    assert megatron_flag_changes({"kernel_options": {"fp8_recipe": "mxfp8"}}) == \
+        "--fp8-format hybrid --fp8-recipe mxfp8"
+    bf16 = {k: v for k, v in job.kernel_options.items() if not k.startswith("fp8_")}
+    assert megatron_flag_changes({"kernel_options": bf16}, job) == \
+        "drop --fp8-format --fp8-recipe --fp8-amax-history-len"
+
+
+def test_an_fp8_option_without_an_fp8_recipe_has_no_megatron_argument():
+    with pytest.raises(TracememError, match=r"^kernel_options fp8_format 'e4m3' without an "
+                                            r"fp8_recipe \(Megatron-LM runs FP8 only with "
+                                            r"--fp8-format\) has no Megatron-LM argument$"):
+        to_megatron_args({"model": "deepseek-tiny", "micro_batch_size": 1, "seq_length": 64,
+                          "kernel_options": {"cross_entropy_fusion": "none",
+                                             "fp8_format": "e4m3"}})
+
+
 def test_megatron_flag_changes_in_megatrons_terms():
     assert megatron_flag_changes({"recompute": "full"}) == (
         "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
