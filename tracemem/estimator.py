@@ -71,6 +71,7 @@ from tracemem.memory.timeline import replay_through_allocator, step_at
 from tracemem.offload import offload_static
 from tracemem.optimizer_step import trace_optimizer_step
 from tracemem.parallel import SHARDING, ParallelConfig
+from tracemem.periodic import MAX_PROBES, ReplaySink, periodic_stretches
 from tracemem.schedules import Placement, Step, placement
 from tracemem.recompute import apply_recompute_method
 from tracemem.split_backward import backward_input
@@ -160,11 +161,14 @@ class RankEstimate:
 @dataclass(frozen=True)
 class Estimate:
     """The result of ``estimate``: the ``Job`` and one ``RankEstimate`` per rank class;
-    ``screened``: ``estimate(screen=True)`` skipped the allocator (the job does not fit)."""
+    ``screened``: ``estimate(screen=True)`` skipped the allocator (the job does not fit);
+    ``before_tracing``: and the traces too, static memory alone being over (each row's
+    ``peak_bytes`` then its static floor)."""
 
     job: Job
     ranks: list[RankEstimate]
     screened: bool = False
+    before_tracing: bool = False  # screened on static memory alone (``static_floors``)
 
     @property
     def model(self) -> str:
@@ -395,6 +399,7 @@ class TraceCache:
     def __init__(self, directory: str | Path | None = None) -> None:
         self._fb: dict = {}
         self._step: dict = {}
+        self.floors: dict = {}  # static_floors: static memory built, not traced
         self.computed = self.reused = self.loaded = 0
         self.directory = None
         self._version = None
@@ -486,7 +491,9 @@ def segment_key(step: Step, pp: int, chunk_index: Callable[[int], int] | None = 
 
 
 def replay_events(steps: list[Step], pp: int, segments: Segments,
-                  chunk_index: Callable[[int], int] | None = None) -> Iterator[ReplayedEvent]:
+                  chunk_index: Callable[[int], int] | None = None, *,
+                  periodic: bool = False, sink: ReplaySink | None = None
+                  ) -> Iterator[ReplayedEvent]:
     """The allocations and frees of a rank's schedule ``steps`` replayed over its traced
     ``segments``, in order, with O(1) work per traced event.
 
@@ -495,12 +502,22 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
     followed at once by its free. A free of a storage the replay does not hold (one allocated
     before the segment, e.g. an external) is dropped. A second alloc of a held storage
     (``resize_``) replaces the held record.
+
+    With ``periodic``, the repeated stretches of the schedule (``tracemem.periodic``) are
+    walked only until the replay's state (the storages held, and ``sink``'s own state when a
+    consumer with state is given) returns to an earlier period boundary's, renumbered; then
+    the remaining whole cycles are skipped (the held storages and ``sink``'s keys renumbered,
+    ``sink``'s counters advanced) and the replay goes on from the equivalent step. Every
+    event after a skip is the event the full replay gives there; the skipped ones repeat the
+    cycle before (same bytes, same order), so peaks and what is alive at them are unchanged.
     """
     live: dict[tuple[int, int, int], MemoryEvent] = {}
     gradient = Category.GRADIENT
     split = {(s.stage, s.microbatch) for s in steps if s.kind == "I"}
     new = tuple.__new__  # ReplayedEvent(...) without its Python-level __new__: the hot path
-    for index, step in enumerate(steps):
+
+    def run(index: int) -> Iterator[ReplayedEvent]:
+        step = steps[index]
         stage, microbatch = step.stage, step.microbatch
         key_of_step = segment_key(step, pp, chunk_index, (stage, microbatch) in split)
         for event in segments.events[key_of_step]:
@@ -517,20 +534,97 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
             else:
                 live[key] = event
 
+    index = 0
+    stretches = periodic_stretches(steps, split) if periodic else ()
+    last = {step.microbatch: i for i, step in enumerate(steps)}  # mb -> its last step
+    for stretch in stretches:
+        while index < stretch.start:
+            yield from run(index)
+            index += 1
+        # sizes: a quick summary of each probed boundary's state (equal states, equal
+        # summaries: a replay whose state grows, GPipe's forwards, never computes the whole
+        # state); seen: the hash of a whole state -> its boundary; pending: a cycle the hashes
+        # suggest, (boundary, cycle, its state, its counters), proven or dropped by comparing
+        # the whole state one cycle later
+        k, probing, sizes, seen, pending = 0, True, set(), {}, None
+        while k < stretch.count:
+            boundary = stretch.start + k * stretch.period
+            check = False
+            if probing and k < MAX_PROBES:
+                if pending is not None:
+                    check = k == pending[0] + pending[1]
+                else:
+                    size = (len(live), sink.cheap_state() if sink is not None else None)
+                    check = size in sizes
+                    sizes.add(size)
+            if check:
+                def canon(key, boundary=boundary, offset=k * stretch.shift):
+                    if type(key) is tuple and len(key) == 3 and type(key[0]) is int \
+                            and key[1] >= 1 and last[key[1]] >= boundary:
+                        return (key[0], key[1] - offset, key[2])
+                    return ("held", key)
+
+                state = (frozenset((canon(key), id(e)) for key, e in live.items()),
+                         sink.state(canon) if sink is not None else None)
+                if pending is not None:  # k is one cycle past it
+                    cycle = pending[1]
+                    if state == pending[2] and (stretch.count - k) // cycle:
+                        # the state of boundary k - cycle, renumbered: skip whole cycles
+                        cycles = (stretch.count - k) // cycle
+                        shift = cycles * cycle * stretch.shift
+
+                        def rename(key, boundary=boundary, shift=shift):
+                            if type(key) is tuple and len(key) == 3 \
+                                    and type(key[0]) is int and key[1] >= 1 \
+                                    and last[key[1]] >= boundary:
+                                return (key[0], key[1] + shift, key[2])
+                            return key
+
+                        moved = {rename(key): e for key, e in live.items()}
+                        live.clear()
+                        live.update(moved)
+                        if sink is not None:
+                            sink.skip(rename, cycles, tuple(
+                                a - b for a, b in zip(sink.counters(), pending[3])))
+                        k += cycles * cycle
+                        probing = False
+                        seen.clear()
+                        continue
+                    pending = None
+                digest = hash(state)
+                if pending is None and digest in seen:
+                    pending = (k, k - seen[digest], state,
+                               sink.counters() if sink is not None else ())
+                seen[digest] = k
+            elif probing and k >= MAX_PROBES:
+                probing = False
+                seen.clear()
+            for i in range(boundary, boundary + stretch.period):
+                yield from run(i)
+            k += 1
+        index = stretch.start + stretch.count * stretch.period
+    while index < len(steps):
+        yield from run(index)
+        index += 1
+
 
 def replay_schedule(steps: list[Step], pp: int, segments: Segments,
-                    base_bytes: int, chunk_index: Callable[[int], int] | None = None
-                    ) -> ReplayPeak:
+                    base_bytes: int, chunk_index: Callable[[int], int] | None = None,
+                    periodic: bool = True) -> ReplayPeak:
     """Replay a rank's schedule ``steps`` over its traced ``segments`` (``replay_events``) on
     top of ``base_bytes`` (static memory): the peak, the step running there, the microbatch
     forwards in flight and what is alive. ``chunk_index``: see ``segment_key``.
 
     Linear in the events replayed: one pass finds the peak (the first event that reaches the
-    highest total), a second pass rebuilds the storages alive at that event, once.
+    highest total), a second pass rebuilds the storages alive at that event, once. With
+    ``periodic`` (the default) both passes skip the schedule's repeated cycles once the
+    storages held repeat (``replay_events``): the same peak, step and storages alive, in time
+    that stops growing with the number of microbatches once the steady state is reached.
     """
     current = peak = base_bytes
     peak_at = peak_n = None
-    for n, (index, _, action, nbytes, _) in enumerate(replay_events(steps, pp, segments, chunk_index)):
+    for n, (index, _, action, nbytes, _) in enumerate(
+            replay_events(steps, pp, segments, chunk_index, periodic=periodic)):
         if action == "alloc":
             current += nbytes
             if current > peak:
@@ -540,7 +634,8 @@ def replay_schedule(steps: list[Step], pp: int, segments: Segments,
     peak_live: dict[tuple[int, int, int], MemoryEvent] = {}
     inflight_at_peak = 0
     if peak_n is not None:
-        for _, key, action, _, event in islice(replay_events(steps, pp, segments, chunk_index), peak_n + 1):
+        for _, key, action, _, event in islice(
+                replay_events(steps, pp, segments, chunk_index, periodic=periodic), peak_n + 1):
             if action == "alloc":
                 peak_live[key] = event
             else:
@@ -747,12 +842,18 @@ def _finish(job: Job, model, tracer: MemoryTracer, fb: Segments) -> tuple[Static
                                                                           Segments]:
     """``_trace_step``, then the rank's workspaces below the dispatcher
     (``tracemem.workspaces``: none without ``job.gpu``) in its static memory."""
+    static, segments = _trace_step(model, tracer, job.parallel, job.optimizer, fb,
+                                   job.optimizer_offload)
+    return _with_workspaces(job, model, static), segments
+
+
+def _with_workspaces(job: Job, model, static: StaticMemory) -> StaticMemory:
+    """``static`` with the rank's workspaces below the dispatcher (``tracemem.workspaces``:
+    none without ``job.gpu``) and, under ``--ema host``, the EMA's host bytes."""
     from dataclasses import replace
 
     from tracemem.workspaces import workspaces
 
-    static, segments = _trace_step(model, tracer, job.parallel, job.optimizer, fb,
-                                   job.optimizer_offload)
     kept = workspaces(model, gpu=job.gpu, kernels=job.profile, recompute=job.recompute,
                       micro_batch_size=job.micro_batch_size, seq_length=job.seq_length,
                       cublas_workspace_config=job.cublas_workspace_config)
@@ -760,7 +861,39 @@ def _finish(job: Job, model, tracer: MemoryTracer, fb: Segments) -> tuple[Static
         from tracemem.offload import ema_host_bytes
 
         static = replace(static, host_bytes=static.host_bytes + ema_host_bytes(model))
-    return replace(static, workspaces=tuple(kept)), segments
+    return replace(static, workspaces=tuple(kept))
+
+
+def static_floors(job: Job, classes: list[RankClass], cache: TraceCache) -> list[StaticMemory]:
+    """Each class's static memory (``static_memory``, the offloaded part moved to the host,
+    the workspaces below the dispatcher) from its model built on meta, without tracing: the
+    same ``StaticMemory`` the traced class gets (``_finish``), at the cost of a build. Its
+    device bytes (``floor_bytes``) are where every replay of the class starts, so a lower
+    bound of its peak. Kept in ``cache`` by the trace and step keys."""
+    par, where = job.parallel, _placement(job)
+    key, step = trace_key(job), step_key(job)
+    out = []
+    for unit in classes:
+        name = (key, unit.signature, unit.chunks, step)
+        found = cache.floors.get(name) if key is not None else None
+        if found is None:
+            model = build_rank(job.config, par, unit.rank, attention=job.attention,
+                               experts=job.experts, dtype=torch.bfloat16, kernels=job.profile,
+                               placement=where, replace=job.replacements)
+            found = static_memory(model, par)
+            if job.optimizer_offload is not None:
+                found = offload_static(found, model, par, job.optimizer_offload)
+            found = _with_workspaces(job, model, found)
+            if key is not None:
+                cache.floors[name] = found
+        out.append(found)
+    return out
+
+
+def floor_bytes(static: StaticMemory) -> int:
+    """The device bytes a class's replay starts from (``replay_class``'s base): its static
+    memory less the ZeRO-3 gathers (traced events), plus its workspaces."""
+    return static.total_bytes - static.zero3_gather_bytes + static.workspace_bytes
 
 
 def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
@@ -801,10 +934,8 @@ def replay_class(job: Job, traced: TracedClass) -> ReplayPeak:
     """The class's schedule replayed over its segments on top of its static memory
     (``replay_schedule``; ZeRO-3 gathers are traced events, not the static line item)."""
     stage, where = traced.unit.stage, _placement(job)
-    static = traced.static
     traced.replayed = replay_schedule(
-        traced.steps, job.parallel.pp, traced.segments,
-        static.total_bytes - static.zero3_gather_bytes + static.workspace_bytes,
+        traced.steps, job.parallel.pp, traced.segments, floor_bytes(traced.static),
         lambda v: where.chunk_index(stage, v))
     return traced.replayed
 
@@ -832,6 +963,22 @@ def _row_fields(traced: TracedClass) -> dict:
         ep_ranks=unit.ep_ranks if unit.ep_rank is not None else ())
 
 
+def _static_row(job: Job, unit: RankClass, static: StaticMemory) -> RankEstimate:
+    """A row from static memory alone (``static_floors``): its peak is the floor, a lower
+    bound; over ``hbm`` it does not fit, else unknown (None)."""
+    floor = floor_bytes(static)
+    return RankEstimate(
+        pp_stage=unit.stage, ep_rank=unit.ep_rank, rank=unit.rank, layers=list(unit.layers),
+        inflight_microbatches=0, peak_step=None, peak_bytes=floor,
+        parameter_bytes=static.param_bytes, gradient_bytes=static.grad_bytes,
+        optimizer_state_bytes=static.optimizer_bytes, buffer_bytes=static.buffer_bytes,
+        activation_bytes=0, comm_buffer_bytes=0, temporary_bytes=0, input_bytes=0,
+        zero3_gather_bytes=0, static=static, workspace_bytes=static.workspace_bytes,
+        host_bytes=static.host_bytes, host_pinned_bytes=static.host_pinned_bytes,
+        ep_ranks=unit.ep_ranks if unit.ep_rank is not None else (),
+        fits=False if floor + job.non_pytorch_memory_bytes > job.hbm_bytes else None)
+
+
 def screened_row(job: Job, traced: TracedClass) -> RankEstimate:
     """A row without the allocator: reserved >= allocated >= the replayed peak, so a rank
     already over ``hbm`` does not fit; the others are unknown (None)."""
@@ -848,9 +995,14 @@ def allocator_row(job: Job, traced: TracedClass, snapshot_dir: Path | None = Non
     stage, where = unit.stage, _placement(job)
     hbm = job.hbm_bytes
     label = f"stage{stage}" + ("" if unit.ep_rank is None else f"_ep{unit.ep_rank}")
+
+    def events_for(sink):  # the repeated cycles skipped where the allocator can say so
+        return replay_events(traced.steps, job.parallel.pp, traced.segments,
+                             lambda v: where.chunk_index(stage, v), periodic=sink is not None,
+                             sink=sink)
+
     timeline, allocator = replay_through_allocator(
-        replay_events(traced.steps, job.parallel.pp, traced.segments,
-                      lambda v: where.chunk_index(stage, v)), traced.steps,
+        events_for, traced.steps,
         [("parameter", static.param_bytes), ("gradient", static.grad_bytes),
          ("optimizer_state", static.optimizer_bytes), ("buffer", static.buffer_bytes)]
         # each workspace its own block, as its library allocates it (held from the start:
@@ -894,11 +1046,13 @@ def estimate(job: Job | str | ModelConfig, /, *, progress: Callable[[str], None]
         trace_cache: a ``TraceCache`` to take rank-class traces from and add them to, shared
             by the estimates of one run (``tracemem fit``, ``--what-fits``); default: a fresh
             one per call. Results are the same either way.
-        screen: with ``hbm``: when any rank class's replayed peak (``peak_bytes``) plus
-            ``non_pytorch_memory`` is already over ``hbm``, skip the allocator simulation of
-            every rank class (its reserved peak can only be higher, so the job does not fit)
-            and return ``Estimate.screened`` True: allocator figures 0, ``fits`` False for the
-            ranks over and None for the others.
+        screen: with ``hbm``: when any rank class's static memory (``static_floors``, built
+            without tracing) plus ``non_pytorch_memory`` is already over ``hbm``, trace
+            nothing (``Estimate.before_tracing``); else when any rank class's replayed peak
+            (``peak_bytes``) plus ``non_pytorch_memory`` is already over ``hbm``, skip the
+            allocator simulation of every rank class (its reserved peak can only be higher,
+            so the job does not fit). Either way ``Estimate.screened`` is True: allocator
+            figures 0, ``fits`` False for the ranks over and None for the others.
         snapshot: a directory to write one ``torch.cuda.memory._snapshot()`` pickle per rank
             class into (``stage3.pickle``, ``stage3_ep5.pickle``).
         plot: a .png or .svg file to draw every rank class's memory over the step into.
@@ -919,11 +1073,19 @@ def estimate(job: Job | str | ModelConfig, /, *, progress: Callable[[str], None]
     _check_counts_cover(job.config, job.routing_model)
     from tracemem.torch_state import preserved_torch_state
 
+    cache = trace_cache or TraceCache()
+    hbm = job.hbm_bytes
     with preserved_torch_state():  # an interrupt while tracing leaves torch as it was
-        traced = trace_classes(job, rank_classes(job), trace_cache or TraceCache(), progress)
+        classes = rank_classes(job)
+        if screen and hbm is not None:  # static memory alone over: no trace at all
+            floors = static_floors(job, classes, cache)
+            if any(floor_bytes(f) + job.non_pytorch_memory_bytes > hbm for f in floors):
+                return Estimate(job, [_static_row(job, unit, static)
+                                      for unit, static in zip(classes, floors)],
+                                screened=True, before_tracing=True)
+        traced = trace_classes(job, classes, cache, progress)
     for one in traced:
         replay_class(job, one)
-    hbm = job.hbm_bytes
     screened = screen and hbm is not None and any(
         t.replayed.peak_bytes + job.non_pytorch_memory_bytes > hbm for t in traced)
     ranks = [screened_row(job, t) if screened else

@@ -213,6 +213,8 @@ class CachingAllocatorSimulator:
         record_history: keep the ``TraceEntry`` list (``alloc``, ``free_requested``,
             ``free_completed``, ``segment_alloc``, ``segment_free``, ``segment_map``,
             ``segment_unmap``) for ``tracemem.memory.snapshot``.
+        record_series: keep the allocated / reserved bytes after every event
+            (``AllocatorStats.allocated`` / ``reserved``; off: both empty).
 
     Raises:
         TracememError: a bad config string, or a negative / non-int capacity.
@@ -220,7 +222,7 @@ class CachingAllocatorSimulator:
 
     def __init__(self, config: AllocatorConfig | str | None = None, *,
                  capacity: int | None = None, device_total: int | None = None,
-                 record_history: bool = False):
+                 record_history: bool = False, record_series: bool = True):
         if not isinstance(config, AllocatorConfig):
             config = parse_alloc_conf(config)
         for name, value in (("capacity", capacity), ("device_total", device_total)):
@@ -255,6 +257,7 @@ class CachingAllocatorSimulator:
         self.events = 0
         self.allocated_series = array("q")
         self.reserved_series = array("q")
+        self._record_series = record_series
         self.allocated_peak = self.reserved_peak = self.requested_peak = 0
         self._at_peak = (None, 0, 0, 0)  # event, allocated, largest free, segments
 
@@ -376,8 +379,9 @@ class CachingAllocatorSimulator:
 
     # ----------------------------------------------------------------- internals
     def _sample(self) -> None:
-        self.allocated_series.append(self.allocated_bytes)
-        self.reserved_series.append(self.reserved_bytes)
+        if self._record_series:
+            self.allocated_series.append(self.allocated_bytes)
+            self.reserved_series.append(self.reserved_bytes)
         if self.allocated_bytes > self.allocated_peak:
             self.allocated_peak = self.allocated_bytes
         if self.requested_bytes > self.requested_peak:
@@ -492,19 +496,22 @@ class CachingAllocatorSimulator:
         block.allocated = True
         block.requested = orig_size
         self.allocated_bytes += block.size
-        self._trace("alloc", block.addr, orig_size, block)
+        if self.history is not None:
+            self._trace("alloc", block.addr, orig_size, block)
         return block
 
     def _free(self, block: _Block) -> None:
         # DeviceCachingAllocator::free -> free_block
         block.allocated = False
         self.allocated_bytes -= block.size
-        self._trace("free_requested", block.addr, block.requested, block)
-        self._trace("free_completed", block.addr, block.requested, block)
+        if self.history is not None:
+            self._trace("free_requested", block.addr, block.requested, block)
+            self._trace("free_completed", block.addr, block.requested, block)
         block.info = block.key = None
         pool = block.pool
         for candidate in (block.prev, block.next):
-            self._try_merge(block, candidate)
+            if candidate is not None and not candidate.allocated:  # else nothing to merge
+                self._try_merge(block, candidate)
         pool.insert(block)
 
     def _try_merge(self, dst: _Block, src: _Block | None) -> int:

@@ -13,6 +13,7 @@ from bisect import bisect_right
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
+from tracemem.categories import Category
 from tracemem.memory.allocator import AllocatorStats, CachingAllocatorSimulator
 from tracemem.memory.config import AllocatorConfig
 
@@ -50,6 +51,10 @@ class AllocatorReplay:
     tracer reports as the new size allocated, then the old one freed) keeps the old block
     under a shadow key until the next ``free`` of that key, which frees the old block first:
     the new block is made before the old one is released, as the allocator sees it.
+
+    Without ``series`` (no per-event series at all, the simulator's included) and without
+    ``record_history``, it is a ``tracemem.periodic.ReplaySink``: a replay may skip the
+    schedule's repeated cycles once the allocator's state repeats (``periodic``).
     """
 
     def __init__(self, config: AllocatorConfig | str | None = None, *,
@@ -57,7 +62,11 @@ class AllocatorReplay:
                  record_history: bool = False, series: bool = True):
         self.sim = CachingAllocatorSimulator(config, capacity=capacity,
                                              device_total=device_total,
-                                             record_history=record_history)
+                                             record_history=record_history,
+                                             record_series=series)
+        # a state that a skipped cycle repeats exactly: no series, no history, and no
+        # garbage collection (whose block ages count calls)
+        self.periodic = not series and not record_history and not self.sim._gc
         self._keep_series = series  # per-category series (for plots); off saves time
         self._category: dict[Hashable, str] = {}
         self._shadow: dict[Hashable, list] = {}
@@ -77,10 +86,13 @@ class AllocatorReplay:
             sim.live[shadow] = sim.live.pop(key)
             self._category[shadow] = self._category.pop(key)
             self._shadow[key].append(shadow)
-        sim.malloc(key, nbytes, {"module": module, "op": op, "category": category})
-        block = sim.live[key]
+        # what a block holds, for snapshots (kept only where the history is)
+        sim.malloc(key, nbytes, None if sim.history is None else
+                   {"module": module, "op": op, "category": category})
         self._category[key] = category
-        self._add(category, block.size if block is not None else 0)
+        if self._keep_series:
+            block = sim.live[key]
+            self._add(category, block.size if block is not None else 0)
 
     def free(self, key: Hashable) -> None:
         shadows = self._shadow.get(key)
@@ -88,6 +100,10 @@ class AllocatorReplay:
             key = shadows.pop(0)
             if not shadows:
                 del self._shadow[key[1]]
+        if not self._keep_series:
+            self.sim.free(key)
+            del self._category[key]
+            return
         block = self.sim.live.get(key)
         size = block.size if block is not None else 0
         self.sim.free(key)
@@ -102,6 +118,61 @@ class AllocatorReplay:
         self._current[category] += delta
         for name, series in self._series.items():
             series.append(self._current[name])
+
+    # ------------------------------------------------ tracemem.periodic.ReplaySink
+    def cheap_state(self) -> Hashable:
+        sim = self.sim
+        return (sim.allocated_bytes, sim.reserved_bytes, len(sim.live))
+
+    def state(self, canon) -> Hashable:
+        """Every segment's blocks in address order (address, size, mapped; for an allocated
+        one the bytes requested and its owner as ``canon(key)``), the zero-byte allocations, the resized
+        storages' shadows, the categories, and the allocator's limits."""
+        sim = self.sim
+
+        def name(key):
+            if type(key) is tuple and key and key[0] == "resized":
+                return ("resized", canon(key[1]), key[2])
+            return canon(key)
+
+        blocks = []
+        for base in sorted(sim.segments):
+            seg = sim.segments[base]
+            blocks.append((seg.base, seg.size, seg.small, seg.expandable, seg.mapped_pages))
+            b = seg.head
+            while b is not None:
+                # a free block's requested bytes are its last owner's (stale): not state
+                blocks.append((b.addr, b.size, b.mapped, b.requested, name(b.key))
+                              if b.allocated else (b.addr, b.size, b.mapped))
+                b = b.next
+        return (tuple(blocks), frozenset(name(k) for k, b in sim.live.items() if b is None),
+                frozenset((canon(k), tuple(name(s) for s in v))
+                          for k, v in self._shadow.items()),
+                frozenset((name(k), c) for k, c in self._category.items()),
+                sim._next_addr, sim.capacity, sim.allowed_max, sim.num_ooms)
+
+    def counters(self) -> tuple[int, ...]:
+        sim = self.sim
+        return (sim.events, sim.num_device_alloc, sim.num_device_free, sim.num_alloc_retries)
+
+    def skip(self, rename, cycles: int, per_cycle: tuple[int, ...]) -> None:
+        sim = self.sim
+
+        def name(key):
+            if type(key) is tuple and key and key[0] == "resized":
+                return ("resized", rename(key[1]), key[2])
+            return rename(key)
+
+        sim.live = {name(k): b for k, b in sim.live.items()}
+        for block in sim.live.values():
+            if block is not None:
+                block.key = name(block.key)
+        self._shadow = {rename(k): [name(s) for s in v] for k, v in self._shadow.items()}
+        self._category = {name(k): c for k, c in self._category.items()}
+        sim.events += cycles * per_cycle[0]
+        sim.num_device_alloc += cycles * per_cycle[1]
+        sim.num_device_free += cycles * per_cycle[2]
+        sim.num_alloc_retries += cycles * per_cycle[3]
 
     def timeline(self, label: str) -> MemoryTimeline:
         stats = self.sim.stats()
@@ -118,6 +189,9 @@ def step_at(timeline: MemoryTimeline, event: int | None) -> str | None:
     return timeline.steps[i][1] if i >= 0 else None
 
 
+_VALUES = {c: c.value for c in Category}  # Category.value without the enum's descriptor
+
+
 def replay_through_allocator(replayed: Iterable, steps: list, static: Iterable[tuple[str, int]],
                              label: str, **kwargs) -> tuple[MemoryTimeline, AllocatorReplay]:
     """Drive ``AllocatorReplay(**kwargs)`` with a rank's static memory, one allocation per
@@ -125,9 +199,13 @@ def replay_through_allocator(replayed: Iterable, steps: list, static: Iterable[t
     ``ParamAndGradBuffer`` holds a rank's gradients, and its distributed optimizer's
     parameters and states, in a few large buffers), then with ``replayed``: the
     ``(step_index, key, action, nbytes, event)`` tuples of
-    ``tracemem.estimator.replay_events``, in order. ``steps[step_index]`` labels the x axis.
+    ``tracemem.estimator.replay_events``, in order (or a function of the replay's
+    ``ReplaySink``, None where it cannot be one, that returns them).
+    ``steps[step_index]`` labels the x axis.
     """
     r = AllocatorReplay(**kwargs)
+    if callable(replayed):  # replay_events(sink=...) for a replay that may skip cycles
+        replayed = replayed(r if r.periodic else None)
     for index, (category, nbytes) in enumerate(static):
         if nbytes:
             r.alloc(("static", index), nbytes, category, "", "static")
@@ -137,7 +215,8 @@ def replay_through_allocator(replayed: Iterable, steps: list, static: Iterable[t
             r.step(str(steps[index]))
             current = index
         if action == "alloc":
-            r.alloc(key, nbytes, event.category.value, event.module, event.op)
+            r.alloc(key, nbytes, _VALUES.get(event.category) or event.category.value,
+                    event.module, event.op)
         else:
             r.free(key)
     return r.timeline(label), r
