@@ -368,7 +368,8 @@ class FitRow:
         fits: every rank's reserved peak + non-PyTorch memory within ``hbm``.
         screened: only the replayed (allocated) peaks were computed: a rank's alone is over
             ``hbm`` (reserved >= allocated), so it does not fit and ``needed_bytes`` is a lower
-            bound.
+            bound; before_tracing: screened on a rank's static memory alone, untraced
+            (``needed_bytes`` then its static memory + non-PyTorch memory).
         needed_bytes: the most a rank needs: reserved peak + non-PyTorch memory (screened:
             allocated peak + non-PyTorch memory, at least what it needs).
         worst_pp_stage: the pipeline stage of that rank; peak_bytes: its allocated peak.
@@ -385,6 +386,7 @@ class FitRow:
     flags: str
     fits: bool
     screened: bool
+    before_tracing: bool
     needed_bytes: int
     worst_pp_stage: int
     peak_bytes: int
@@ -499,7 +501,8 @@ def _run_group(job, layouts: list[Layout], cache_dir: str | None, run_id: str,
         rows.append(FitRow(
             layout, layout.flags(),
             fits=not result.screened and all(r.fits for r in result.ranks),
-            screened=result.screened, needed_bytes=needed[worst],
+            screened=result.screened, before_tracing=result.before_tracing,
+            needed_bytes=needed[worst],
             worst_pp_stage=result.ranks[worst].pp_stage,
             peak_bytes=result.ranks[worst].peak_bytes,
             headroom_bytes=result.hbm_bytes - needed[worst], bubble=bubble,
@@ -1010,6 +1013,14 @@ def format_fit(result: FitResult, top: int = 20, wide: bool = False) -> str:
               f"; {result.seconds:.1f} s on {result.workers} "
               f"{'Ray' if result.engine == 'ray' else 'local'} worker"
               f"{'s' if result.workers != 1 else ''}."]
+    screened = sum(r.screened for r in result.rows)
+    if screened:
+        static = sum(r.before_tracing for r in result.rows)
+        lines.append(f"Screened: {screened} of the {len(result.rows)} layouts rejected before "
+                     f"any allocator simulation (a rank's replayed peak, a lower bound of its "
+                     f"reserved peak, + non-PyTorch memory already over {hbm} GiB)"
+                     + (f", {static} of them before tracing (its static memory alone over)"
+                        if static else "") + ".")
     if result.rejected:
         skipped = sum(result.rejected.values())
         top_reasons = sorted(result.rejected.items(), key=lambda kv: -kv[1])[:3]
