@@ -285,9 +285,11 @@ class MegatronTEKernels(KernelProfile):
         """The profile of decoder layer ``layer_id`` (global, 0-based): this one, or this one
         without FP8 when ``--first-last-layers-bf16`` keeps the layer in bf16 (options
         ``fp8_layers_at_start_in_bf16`` / ``_end_``; Megatron ``fp8_utils.py``
-        ``is_first_last_bf16_layer``)."""
+        ``is_first_last_bf16_layer``). An MTP module's layer (``layer_id`` >= ``num_layers``)
+        keeps this one: Megatron's MTP runs under the global FP8 context
+        (``multi_token_prediction.py``: ``get_fp8_context(self.config)``, layer_no -1)."""
         o = self.options
-        if self.fp8_recipe == "none" or not (
+        if self.fp8_recipe == "none" or layer_id >= num_layers or not (
                 layer_id < o["fp8_layers_at_start_in_bf16"]
                 or layer_id >= num_layers - o["fp8_layers_at_end_in_bf16"]):
             return self

@@ -262,6 +262,12 @@ def test_megatron_fp8_flags_refuse_what_is_not_modelled_by_name():
                     fp8_layers_at_end_in_bf16=1)
     assert [k.bf16_layer(i, 4).fp8_recipe for i in range(4)] == [
         "none", "delayed", "delayed", "none"]
+    # an MTP module's layer (4, 5 of a 4-layer model) runs under Megatron's global FP8
+    # context (multi_token_prediction.py: get_fp8_context(self.config), layer_no -1), with
+    # or without --first-last-layers-bf16
+    assert k.bf16_layer(4, 4) is k and k.bf16_layer(5, 4) is k
+    plain = get_profile("megatron-te", fp8_recipe="delayed")
+    assert [plain.bf16_layer(i, 4) is plain for i in range(6)] == [True] * 6
 
 
 def test_save_original_input_after_a_recomputed_norm_is_refused_under_delayed_scaling():
