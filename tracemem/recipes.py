@@ -51,7 +51,10 @@ _DEEPSEEK_V3 = (
     ("hbm", "80GB", "NVIDIA H800 SXM5 data sheet: 80 GB (decimal, as the issue asks: --hbm 80GB)"),
     ("tp", 1, f"{_V3} 3.4 / 3.2.3: no costly tensor parallelism"),
     ("pp", 16, f"{_V3} 3.2: 16-way pipeline parallelism"),
-    ("schedule", "dualpipe", f"{_V3} 3.2.1: DualPipe; deepseek-ai/DualPipe DualPipe.step"),
+    ("schedule", "dualpipe", f"{_V3} 3.2.1: DualPipe; deepseek-ai/DualPipe DualPipe.step; "
+                             f"3.2.3: the embedding and the output head on the same PP rank, so "
+                             f"MTP shares them physically (the rank builds one of each, "
+                             f"modeling/common/model.py; tests/modeling/test_mtp_sharing.py)"),
     ("ep", 64, f"{_V3} 3.2: 64-way expert parallelism spanning 8 nodes"),
     ("etp", 1, f"{_V3} 3.2: experts not tensor-split"),
     ("zero", 1, f"{_V3} 3.2: ZeRO-1 data parallelism"),
@@ -93,8 +96,6 @@ RECIPES = {
             "SwiGLU inputs cached in FP8, outputs recomputed in backward (3.3.3): traced as "
             "the megatron-te profile's SwiGLU saves",
             "FP8 dispatch with BF16 combine (3.3.3): the all-to-all buffers traced in bf16",
-            "MTP sharing of the embedding and output head with the main model (3.2.3): "
-            "as the model builds it (the MTP stage's own embedding, modeling/common/model.py)",
         )),
 }
 

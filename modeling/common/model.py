@@ -131,6 +131,9 @@ class Transformer(nn.Module):
         self.embed = (declare_fsdp_unit(declare_module(
             nn.Embedding(sizes.vocab, cfg.hidden_size), column("embedding")))
             if pre_process or has_mtp else None)  # VocabParallelEmbedding: vocab split
+        # one embedding (and one head below) per rank: a rank holding chunk 0 and the MTP
+        # (DualPipe, V) shares them with MTP (arXiv 2412.19437 2.2, 3.2.3); the MTP stage of
+        # Megatron's 1F1B / interleaved holds its own copy (GPTModel: pre_process or mtp_process)
         # LanguageModelEmbedding.position_embeddings ("serial": the whole table on every rank)
         learned = cfg.position_embedding == "learned_absolute"
         self.position_embed = (declare_fsdp_unit(declare_module(

@@ -34,3 +34,13 @@ def test_ema_host_bytes_by_hand():
 
     model = torch.nn.Linear(3, 5, device="meta")  # 3*5 + 5 = 20 elements, fp32: 80 B
     assert ema_host_bytes(model) == 80
+
+
+def test_deepseek_v3_mtp_sharing_is_honoured_not_approximated():
+    # 2.2 / 3.2.3: MTP shares the embedding and head; under DualPipe both sit on the rank that
+    # holds the MTP module, which builds one of each (tests/modeling/test_mtp_sharing.py)
+    from tracemem.recipes import RECIPES
+
+    recipe = RECIPES["deepseek-v3"]
+    assert not [a for a in recipe.approximations if "MTP" in a]
+    assert "MTP shares them" in recipe.sources["schedule"]
