@@ -11,7 +11,10 @@ the rank's model (``build_rank``) runs two microbatches, forward and backward, u
 segments in that order, with distinct storages per microbatch, on top of the static memory
 (``tracemem.static``), gives the rank's memory at every event. Microbatches are independent
 apart from gradient accumulation, which the second microbatch's segments capture, so the
-replay is exact for what the tracer sees.
+replay is exact for what the tracer sees. The schedule's steady state is walked until the
+replay's state provably repeats, then its remaining cycles are skipped (``tracemem.periodic``;
+the same figures). ``estimate(screen=True)`` rejects a job on static memory alone before
+tracing (``static_floors``), then on the replayed peak before the allocator.
 
 Conventions, each a line item:
 - Parameters are bf16 (every precision recipe trains in bf16) whatever the config's dtype.

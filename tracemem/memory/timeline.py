@@ -126,8 +126,8 @@ class AllocatorReplay:
 
     def state(self, canon) -> Hashable:
         """Every segment's blocks in address order (address, size, mapped; for an allocated
-        one the bytes requested and its owner as ``canon(key)``), the zero-byte allocations, the resized
-        storages' shadows, the categories, and the allocator's limits."""
+        one the bytes requested and its owner as ``canon(key)``), the zero-byte allocations,
+        the resized storages' shadows, the categories, and the allocator's limits."""
         sim = self.sim
 
         def name(key):
