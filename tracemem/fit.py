@@ -962,7 +962,7 @@ def format_fit(result: FitResult, top: int = 20, wide: bool = False) -> str:
     columns, constant = _shown_columns(shown + list(result.closest), wide)
     lines = [f"{result.model} on {result.world_size} GPUs of {hbm} GiB, s={result.seq_length}, "
              f"global batch {result.global_batch_size} sequences: {len(result.rows)} valid "
-             f"layouts estimated, {len(fitting)} fit", ""]
+             f"layout{'s' * (len(result.rows) != 1)} estimated, {len(fitting)} fit", ""]
     if constant:
         lines.append(constant)
     stage = ["at stage"] if wide else []
@@ -1016,11 +1016,13 @@ def format_fit(result: FitResult, top: int = 20, wide: bool = False) -> str:
     screened = sum(r.screened for r in result.rows)
     if screened:
         static = sum(r.before_tracing for r in result.rows)
-        lines.append(f"Screened: {screened} of the {len(result.rows)} layouts rejected before "
-                     f"any allocator simulation (a rank's replayed peak, a lower bound of its "
-                     f"reserved peak, + non-PyTorch memory already over {hbm} GiB)"
-                     + (f", {static} of them before tracing (its static memory alone over)"
-                        if static else "") + ".")
+        lines.append(f"Not simulated: {screened} of the {len(result.rows)} layouts, over "
+                     f"{hbm} GiB on a lower bound alone (a rank's replayed peak + non-PyTorch "
+                     f"memory; the reserved peak can only be higher)"
+                     + (f", {static} of them on static memory alone, before tracing"
+                        if static else "")
+                     + ("; the closest of them were then estimated in full (above)"
+                        if result.closest else "") + ".")
     if result.rejected:
         skipped = sum(result.rejected.values())
         top_reasons = sorted(result.rejected.items(), key=lambda kv: -kv[1])[:3]
@@ -1033,14 +1035,17 @@ def format_fit(result: FitResult, top: int = 20, wide: bool = False) -> str:
 
 
 def fit_records(result: FitResult) -> list[dict[str, Any]]:
-    """Every row as a flat dict (bytes as int): the estimated layouts, then the closest
-    non-fitting ones again with ``exact`` True (estimated in full)."""
+    """Every estimated layout once, as a flat dict (bytes as int), in ``result.rows``' order;
+    a closest non-fitting layout estimated in full (``result.closest``) replaces its screened
+    row. ``exact``: the row's figures come from the allocator simulation (not a screen's
+    lower bound)."""
+    full = {row.layout: row for row in result.closest}
     out = []
-    for exact, rows in ((False, result.rows), (True, result.closest)):
-        for row in rows:
-            record = row.as_dict()
-            record["exact"] = exact or not row.screened
-            out.append(record)
+    for row in result.rows:
+        row = full.get(row.layout, row)
+        record = row.as_dict()
+        record["exact"] = not row.screened
+        out.append(record)
     return out
 
 

@@ -546,6 +546,15 @@ def plain_table(rows: Sequence[Sequence[Any]], headers: Sequence[str],
                      + [line(row) for row in cells])
 
 
+def _fp8_text(settings: dict) -> str:
+    """" (FP8 hybrid, tensorwise)" for a job whose megatron-te kernels run FP8, else ""."""
+    options = settings.get("kernel_options") or {}
+    recipe = options.get("fp8_recipe", "none")
+    if recipe in (None, "none"):
+        return ""
+    return f" (FP8 {options.get('fp8_format') or 'e4m3'}, {recipe})"
+
+
 def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = None,
                     wide: bool = False, hbm_from_gpu: str | None = None) -> str:
     """One row per rank class, in ``units`` (one of ``UNITS``, or "auto": ``pick_units`` of
@@ -565,7 +574,7 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
             f"CP {par.cp}, PP {par.pp}, VPP {par.vpp}, DP {par.dp}; EP {par.ep}, ETP {par.etp}, "
             f"EDP {par.edp}), ZeRO-{par.zero}, {par.precision}; b={st['micro_batch_size']}, "
             f"s={st['seq_length']}, M={st['num_microbatches']}, {st['schedule']}, kernels "
-            f"{st.get('kernels', 'eager')}, recompute "
+            f"{st.get('kernels', 'eager')}{_fp8_text(st)}, recompute "
             f"{st['recompute']}, {st['attention']} attention, routing {st['routing']}"
             + "".join(f", {kind} replaced by {name}"
                       for kind, name in st.get("replace", {}).items()))

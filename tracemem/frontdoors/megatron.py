@@ -1144,7 +1144,8 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
             out += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]
         elif fusion != "none":
             _no(f"kernel_options cross_entropy_fusion {fusion!r} (Megatron-LM refuses "
-                f"--cross-entropy-fusion-impl te: validate_args)")
+                f"--cross-entropy-fusion-impl te: validate_args; megatron-te's default: give "
+                f"--cross-entropy-fusion native or none to print the job)")
         if options.get("moe_shared_expert_overlap") and moe and cfg.shared_experts_width:
             out += ["--moe-shared-expert-overlap"]
         if moe:
