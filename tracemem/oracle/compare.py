@@ -699,43 +699,60 @@ def _part_name(result: CaseResult, layer: int) -> str:
     return str(layer)
 
 
+def byte_cells(a: LayerBytes, b: LayerBytes) -> list[str]:
+    """The kept, forward peak, backward peak and parameter bytes of one part: ``"n"`` where
+    the two sides agree, ``"a / b"`` where they differ (the oracle's side first)."""
+    cells = []
+    for attr in ("kept", "forward_peak", "backward_peak", "params"):
+        x, y = getattr(a, attr), getattr(b, attr)
+        cells.append(f"{x:,}" if x == y else f"{x:,} / {y:,}")
+    return cells
+
+
+def oracle_report(rows: list[list[str]], part: str, legend: str, notes: list[str],
+                  residue_title: str, residue, bad: list[str], residue_name: str,
+                  lead: str | None = None) -> str:
+    """An oracle's text (``tracemem validate --against``): the table of ``rows`` (layout,
+    ``part``, ``byte_cells``), the legend, ``notes`` (kept storages that differ), the residue
+    rows numbered, and the verdict: FAIL with every line of ``bad`` (and ``lead``, a known
+    cause that is not a residue row), or OK naming ``residue_name``."""
+    from tabulate import tabulate
+
+    table = tabulate(rows, headers=["layout", part, "kept B", "forward peak B",
+                                    "backward peak B", "params B"],
+                     disable_numparse=True, colalign=("left", "right", "right", "right",
+                                                      "right", "right"))
+    rules = [f"{i}. {r.tensor} ({r.where}): {r.reason}" for i, r in enumerate(residue, 1)]
+    verdict = ([f"FAIL: {len(bad)} difference(s) the residue does not name:",
+                *(f"- {line}" for line in bad), *([lead] if lead else [])] if bad else
+               [f"OK: every difference is in the residue ({residue_name})."])
+    return "\n".join([table, "", legend] + (["", "Kept storages that differ:", *notes]
+                                             if notes else [])
+                      + ["", residue_title, *rules, "", *verdict])
+
+
 def format_results(results: list[CaseResult]) -> str:
     """One row per (case, layer): Megatron-Core's and tracemem's bytes and their difference,
     then every kept storage that differs, by layer."""
-    from tabulate import tabulate
-
     rows, notes = [], []
     for r in results:
         for i in sorted(r.megatron):
-            m, t = r.megatron[i], r.tracemem.get(i, LayerBytes(0, 0, 0, 0))
-            cells = []
-            for attr in ("kept", "forward_peak", "backward_peak", "params"):
-                a, b = getattr(m, attr), getattr(t, attr)
-                cells.append(f"{a:,}" if a == b else f"{a:,} / {b:,}")
-            rows.append([r.case.name, _part_name(r, i), *cells])
+            rows.append([r.case.name, _part_name(r, i),
+                         *byte_cells(r.megatron[i], r.tracemem.get(i, LayerBytes(0, 0, 0, 0)))])
             d = r.diff(i)
             for side, items in (("Megatron-Core only", d.only_megatron),
                                 ("tracemem only", d.only_tracemem)):
                 for nbytes, dtype, shape, module, op in items:
                     notes.append(f"- {r.case.name}, {_part_name(r, i)}, {side}: {nbytes:,} B "
                                  f"{dtype} {list(shape)} made by {op} in {module}")
-    table = tabulate(rows, headers=["layout", "layer", "kept B", "forward peak B",
-                                    "backward peak B", "params B"],
-                     disable_numparse=True, colalign=("left", "right", "right", "right",
-                                                      "right", "right"))
     legend = ("Cells: equal bytes, or 'Megatron-Core / tracemem'. Rank 0 of each layout, b=1, "
               "s=16, deepseek-tiny with 3 layers (layer 0 dense), megatron-te kernels "
               "(cross_entropy_fusion none: Megatron-Core's default loss). 'whole model': "
               "also the embedding and the output part (final norm, output layer, loss).")
-    rules = [f"{i}. {r.tensor} ({r.where}): {r.reason}" for i, r in enumerate(RESIDUE, 1)]
-    bad = [line for r in results for line in r.unexplained]
-    verdict = ([f"FAIL: {len(bad)} difference(s) the residue does not name:",
-                *(f"- {line}" for line in bad)] if bad else
-               ["OK: every difference is in the residue (tracemem.oracle.compare.RESIDUE)."])
-    return "\n".join([table, "", legend] + (["", "Kept storages that differ:", *notes]
-                                             if notes else [])
-                      + ["", "The residue (Megatron-Core minus tracemem, by hand):", *rules,
-                         "", *verdict])
+    return oracle_report(rows, "layer", legend, notes,
+                         "The residue (Megatron-Core minus tracemem, by hand):", RESIDUE,
+                         [line for r in results for line in r.unexplained],
+                         "tracemem.oracle.compare.RESIDUE")
 
 
 def results_json(results: list[CaseResult]) -> list[dict]:

@@ -423,38 +423,24 @@ def _part_name(result: TitanResult, part: int) -> str:
 
 def format_results(results: list[TitanResult]) -> str:
     """One row per (layout, part): torchtitan's and tracemem's bytes ('a / b' where they
-    differ), the residue and the verdict."""
-    from tabulate import tabulate
+    differ), the residue and the verdict (``tracemem.oracle.compare.oracle_report``)."""
+    from tracemem.oracle.compare import byte_cells, oracle_report
 
-    rows = []
-    for r in results:
-        for i in sorted(r.torchtitan):
-            a, b = r.torchtitan[i], r.tracemem.get(i, LayerBytes(0, 0, 0, 0))
-            cells = []
-            for attr in ("kept", "forward_peak", "backward_peak", "params"):
-                x, y = getattr(a, attr), getattr(b, attr)
-                cells.append(f"{x:,}" if x == y else f"{x:,} / {y:,}")
-            rows.append([r.case.name, _part_name(r, i), *cells])
-    table = tabulate(rows, headers=["layout", "part", "kept B", "forward peak B",
-                                    "backward peak B", "params B"],
-                     disable_numparse=True, colalign=("left", "right", "right", "right",
-                                                      "right", "right"))
+    rows = [[r.case.name, _part_name(r, i),
+             *byte_cells(r.torchtitan[i], r.tracemem.get(i, LayerBytes(0, 0, 0, 0)))]
+            for r in results for i in sorted(r.torchtitan)]
     legend = ("Cells: equal bytes, or 'torchtitan / tracemem'. Rank 0 of each layout, b=1, "
               "s=16, torchtitan 0.3.0 llama3 debugmodel (FlexAttention, CrossEntropyLoss, "
               "no activation checkpointing, no compile) under its own parallelize_llama "
               "(FSDP2) vs tracemem build_rank kernels=torch with Zero3Gathers. Parts: the "
               "embedding, each layer, the output (final norm, head, loss).")
-    rules = [f"{i}. {r.tensor} ({r.where}): {r.reason}" for i, r in enumerate(TITAN_RESIDUE, 1)]
-    bad = [line for r in results for line in r.unexplained]
-    verdict = ([f"FAIL: {len(bad)} difference(s) the residue does not name:",
-                *(f"- {line}" for line in bad),
-                "Lead, not a residue row (docs/validation.md, 'Against torchtitan itself'): "
-                "FSDP2's gradient reduce-scatter buffers (torch 2.13 _fsdp_collectives.py "
-                "foreach_reduce) are not traced by tracemem.zero3."] if bad else
-               ["OK: every difference is in the residue "
-                "(tracemem.oracle.torchtitan_oracle.TITAN_RESIDUE)."])
-    return "\n".join([table, "", legend, "", "The residue (torchtitan minus tracemem):",
-                      *rules, "", *verdict])
+    return oracle_report(
+        rows, "part", legend, [], "The residue (torchtitan minus tracemem):", TITAN_RESIDUE,
+        [line for r in results for line in r.unexplained],
+        "tracemem.oracle.torchtitan_oracle.TITAN_RESIDUE",
+        lead="Lead, not a residue row (docs/validation.md, 'Against torchtitan itself'): "
+             "FSDP2's gradient reduce-scatter buffers (torch 2.13 _fsdp_collectives.py "
+             "foreach_reduce) are not traced by tracemem.zero3.")
 
 
 def results_json(results: list[TitanResult]) -> list[dict]:
