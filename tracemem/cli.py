@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 
@@ -386,7 +387,41 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--left-out", action="store_true",
                           help="--against megatron-ci: list every golden file left out and "
                                "what stops it, instead of scoring")
+    _fold_choice_case(parser)
     return parser
+
+
+class _FoldCase:
+    """An argparse ``type`` that maps a value to the one of ``choices`` spelled the same
+    letter for letter, case aside (``1F1B`` -> ``1f1b``, ``gib`` -> ``GiB``); any other value
+    is returned as typed, for argparse's own "invalid choice" message."""
+
+    def __init__(self, choices, then=None) -> None:
+        self.names = {str(c).lower(): c for c in choices}
+        self.then = then
+
+    def __call__(self, text: str):
+        value = self.names.get(text.lower(), text)
+        return self.then(value) if self.then is not None else value
+
+
+def _fold_choice_case(parser: argparse.ArgumentParser) -> None:
+    """Every flag of every command with a fixed set of text values takes them in any letter
+    case (issue 26: ``--units gib``, ``--schedule 1F1B``, as ``--gpu h100`` and ``--model
+    DeepSeek-V3`` already were); values differing only in case would make it ambiguous and
+    are asserted not to exist. The FP8 flags keep Megatron-LM's own parsing (``type=str``, case
+    kept), as its parser would take them."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    parsers = [parser] + [p for sub in subs for p in sub.choices.values()]
+    for each in parsers:
+        for action in each._actions:
+            choices = action.choices
+            if not choices or isinstance(action, argparse._SubParsersAction) \
+                    or not all(isinstance(c, str) for c in choices) \
+                    or action.type is not None:  # the FP8 flags: Megatron's, type str
+                continue
+            assert len({c.lower() for c in choices}) == len(list(choices)), action.dest
+            action.type = _FoldCase(choices)
 
 
 def _add_batch_flags(group) -> None:
@@ -1065,6 +1100,9 @@ def _run_estimate(args: argparse.Namespace) -> str:
         from tracemem.frontdoors import to_megatron_args
 
         return _megatron_lines(to_megatron_args(job))
+    if getattr(args, "approximations", None) is None:  # tracemem's own flags
+        args.approximations = _flag_job_approximations(job)
+        args.approximations_of = "flags"
     import time
 
     progress = _progress(args.quiet)
@@ -1114,6 +1152,28 @@ def _say_written(args: argparse.Namespace, since: float) -> None:
             print(f"tracemem: wrote the plot to {args.plot}", file=sys.stderr)
 
 
+def _flag_job_approximations(job) -> list[str]:
+    """What the Megatron-LM door would say tracemem approximates of a job given by tracemem's
+    own flags: ``megatron_approximations`` of the job's Megatron-LM arguments
+    (``to_megatron_args``, what ``--print-megatron-args`` prints), so the two doors print the
+    same notes for the same job (issue 26). Only for megatron-te, the profile that emulates
+    Megatron-Core; [] for a job Megatron-LM cannot state."""
+    from tracemem.frontdoors import to_megatron_args
+    from tracemem.frontdoors.megatron import megatron_approximations
+
+    if job.profile.name != "megatron-te":
+        return []
+    if job.profile.options.get("cross_entropy_fusion") == "te":
+        # megatron-te's default TE cross entropy has no Megatron-LM argument; no note
+        # (APPROXIMATIONS_WHEN) depends on the cross entropy, so state the job with native's
+        job = job.with_changes(kernel_options={**dict(job.kernel_options or {}),
+                                               "cross_entropy_fusion": "native"})
+    try:
+        return megatron_approximations(to_megatron_args(job))
+    except TracememError:  # a schedule or recipe with no Megatron-LM argument
+        return []
+
+
 def _override_note(args: argparse.Namespace) -> str:
     """Lines saying which Megatron arguments tracemem's typed flags replaced and which of the
     job's arguments tracemem approximates, or ""."""
@@ -1136,7 +1196,13 @@ def _override_note(args: argparse.Namespace) -> str:
     if getattr(args, "overrides", None):
         flags = ", ".join("--" + name.replace("_", "-") for name in args.overrides)
         lines.append(f"tracemem's flags override the {door} job's: {flags}")
-    if getattr(args, "approximations", None):
+    if getattr(args, "approximations", None) and getattr(args, "approximations_of",
+                                                         None) == "flags":
+        lines.append("Approximated (this job as Megatron-LM arguments, --print-megatron-args, "
+                     "with Megatron's defaults, that change memory by what tracemem does not "
+                     "trace):")
+        lines += [f"- {note}" for note in args.approximations]
+    elif getattr(args, "approximations", None):
         default = "Megatron's" if door == "Megatron-LM" else f"{door}'s"
         lines.append(f"Approximated ({door} arguments, as given or by {default} default, "
                      f"that change memory by what tracemem does not trace):")
@@ -1713,6 +1779,37 @@ def _check_flag_names(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         sub_parser.error(f"unrecognized argument {name}{hint}")
 
 
+def _attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--hbm -80GiB`` as ``--hbm=-80GiB``: a value starting with a minus sign and a digit
+    after a flag that takes one value, so that the ``Job`` says what is wrong with it (argparse
+    would take it for a flag and say "expected one argument"). Tokens after
+    ``--megatron-args`` are Megatron's."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = next((t for t in argv if not t.startswith("-")), None)
+    if command not in sub.choices:
+        return argv
+    takes_one = {opt for action in sub.choices[command]._actions
+                 if action.nargs is None and action.option_strings
+                 and not isinstance(action, (argparse._StoreConstAction,
+                                             argparse._StoreTrueAction,
+                                             argparse._StoreFalseAction))
+                 for opt in action.option_strings}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--megatron-args":
+            return out + argv[i:]
+        following = argv[i + 1] if i + 1 < len(argv) else ""
+        if token in takes_one and re.match(r"-[0-9.]", following):
+            out.append(f"{token}={following}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. Returns the exit code: 0, 2 for a usage error, 1 when stdout cannot be
     written (a full disk; a closed pipe is 0) or when ``validate --against megatron-core``
@@ -1724,7 +1821,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TracememError as error:  # before argparse's "required" for a flag given too late
         print(f"tracemem: error: {error}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_dash_values(parser, argv))
     args.given = _typed_dests(parser, args.command, argv)
     args.options = _options(parser, args.command)
     try:

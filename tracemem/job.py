@@ -105,9 +105,10 @@ def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
         # a small plain number reads as a size without its unit; a negative one (hbm=-1) is
         # not a size at all, said below
         if value is not None and unit == "B" and value == value and 1 <= value < 2**20 \
-                and not zero and text.strip()[-1:] not in "bB":
+                and text.strip()[-1:] not in "bB":
+            scale = "G" if flag == "--hbm" else "M"  # a device's memory; an overhead
             raise TracememError(f"{flag} {text!r} is {value:g} bytes; give a unit, such as "
-                                f"{number}GB (decimal) or {number}GiB (binary)")
+                                f"{number}{scale}B (decimal) or {number}{scale}iB (binary)")
         if value is not None:
             if 1 <= value <= MAX_HBM_BYTES or (zero and value == 0):
                 return int(value)
@@ -539,6 +540,12 @@ class Job:
         if rounding is not None and rounding > MAX_ROUNDING:
             raise TracememError(f"--rounding {rounding} is more than 2^30 (1 GiB); the CUDA "
                                 f"caching allocator rounds to 512 B")
+        if rounding and rounding & (rounding - 1):
+            # allocators align blocks to a power of two: CUDA's caching allocator 512 B
+            # (kMinBlockSize, c10/cuda/CUDACachingAllocator.cpp), CPU allocators 64 B
+            raise TracememError(f"--rounding {rounding} is not a power of two; allocators "
+                                f"round to one (the CUDA caching allocator: 512), or give 0 "
+                                f"for exact bytes")
         put(self, "rounding", rounding or None)  # 0: exact bytes, as None
         check_recompute_method(self.recompute, self.recompute_method, self.recompute_num_layers)
         hbm_bytes = parse_bytes(self.hbm) if self.hbm is not None else None

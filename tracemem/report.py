@@ -331,6 +331,16 @@ _STEP_KINDS = {"F": "forward", "B": "backward", "I": "input-gradient backward",
 _STEP = re.compile(r"^([0-9]+)([A-Z])([0-9]+)$")  # tracemem.schedules.Step notation
 
 
+def _placement_of(result, par):
+    """The ``tracemem.schedules`` placement of ``result``'s schedule (None: unknown)."""
+    from tracemem.schedules.core import SCHEDULES, placement
+
+    name = result.settings.get("schedule")
+    if name not in SCHEDULES:  # none named
+        return None
+    return placement(name, par.pp, par.vpp, result.settings.get("num_microbatches") or 1)
+
+
 def _legend(result, units: str, keys: Sequence[str] | None = None) -> list[str]:
     """Short lines under the estimate table: what each non-obvious column of ``keys`` (the
     columns shown, ``estimate_columns``; None: all) means, derived from this run (precision
@@ -413,14 +423,23 @@ def _legend(result, units: str, keys: Sequence[str] | None = None) -> list[str]:
                  if "optimizer" in steps else "")
     match = _STEP.match(worst or "")
     if match:
-        stage = "virtual stage" if par.vpp > 1 else "stage"
+        where = _placement_of(result, par)
+        chunked = where is not None and where.style != "loop"
+        stage = "model chunk" if chunked else "virtual stage" if par.vpp > 1 else "stage"
         seen = {m[2] for step in steps if (m := _STEP.match(step))}
         kinds = ", ".join(f"{k} = {v}" for k, v in _STEP_KINDS.items() if k in seen | {"F", "B"})
+        held_chunks = ""
+        if chunked:  # DualPipe, DualPipeV, ZBV: two chunks per rank, not stage = rank
+            worst_stage = result.worst.pp_stage
+            mine = where.chunks_of(worst_stage)
+            held_chunks = (f"; under {result.settings.get('schedule')} each rank holds "
+                           f"{len(mine)} model chunks (stage {worst_stage}: chunks "
+                           f"{' and '.join(map(str, mine))})")
         lines.append(f"{'at step' if shown('step') else 'step'}: the schedule step running "
                      f"at the peak, {stage} + kind + "
                      f"microbatch: {worst} = {stage} {match[1]}, "
                      f"{_STEP_KINDS.get(match[2], match[2])}, microbatch {match[3]} "
-                     f"({kinds}){optimizer}.")
+                     f"({kinds}){held_chunks}{optimizer}.")
     elif optimizer:
         lines.append("at step: optimizer = the optimizer step after the schedule's last step.")
     return lines

@@ -49,7 +49,7 @@ def test_validate_json_matches_the_real_peak(capsys):
     (["toy", "--micro-batch-size", "two"], "argument --micro-batch-size: 'two' is not an integer"),
     (["toy", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["toy", "--units", "TB"], "argument --units: invalid choice: 'TB'"),
-    (["estimate", "--units", "gib"], "argument --units: invalid choice: 'gib'"),
+    (["estimate", "--units", "gb2"], "argument --units: invalid choice: 'gb2'"),
     (["demo", "--seq-length", "0"], "argument --seq-length: 0 must be a positive integer"),
     (["validate", "--case", "nope"], "argument --case: invalid choice: 'nope'"),
     (["trace"], "argument COMMAND: invalid choice: 'trace'"),

@@ -733,3 +733,82 @@ def test_crosscheck_schedules_puts_the_reasons_under_its_table(monkeypatch):
     assert lines[4].split() == ["1", "dualpipev", "3", "4-7", "11.00", "2.00", "/", "2",
                                 "17", "/", "17", "17", "55.00", "99.00"]
     assert [line[:4] for line in lines if line.startswith("[")] == ["[1] "]  # row 2: none
+
+
+# issue 26, the last trial's findings: each reproducer now a one-line error or a legend line
+
+TINY_FLAGS = ["estimate", "--model", "deepseek-tiny", "--world-size", "2", "--pp", "2",
+              "--micro-batch-size", "1", "--seq-length", "64", "--num-microbatches", "4"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    # a value with a minus sign reaches the Job (argparse said "expected one argument")
+    (["--hbm", "-80GiB"], "--hbm '-80GiB' is invalid; give a positive size of whole bytes "
+                          "such as 80GiB (binary: KiB, MiB, GiB, TiB), 80GB (decimal: kB, MB, "
+                          "GB, TB) or a number of bytes"),
+    (["--non-pytorch-memory", "-1MiB"], "--non-pytorch-memory '-1MiB' is invalid; give a size "
+                                        "of whole bytes such as 80GiB (binary: KiB, MiB, GiB, "
+                                        "TiB), 80GB (decimal: kB, MB, GB, TB) or a number of "
+                                        "bytes"),
+    # a small number without a unit is refused here as for --hbm (512 B of overhead is a slip)
+    (["--non-pytorch-memory", "512"], "--non-pytorch-memory '512' is 512 bytes; give a unit, "
+                                      "such as 512MB (decimal) or 512MiB (binary)"),
+    (["--hbm", "80"], "--hbm '80' is 80 bytes; give a unit, such as 80GB (decimal) or 80GiB "
+                      "(binary)"),
+    # CUDA's caching allocator rounds to 512 B (kMinBlockSize); no allocator to 500
+    (["--rounding", "500"], "--rounding 500 is not a power of two; allocators round to one "
+                            "(the CUDA caching allocator: 512), or give 0 for exact bytes"),
+])
+def test_the_last_trials_inputs_get_one_line_errors(capsys, extra, message):
+    assert main(TINY_FLAGS + extra) == 2
+    assert capsys.readouterr().err == f"tracemem: error: {message}\n"
+
+
+def test_plain_byte_counts_and_zero_overhead_are_still_sizes(capsys):
+    # 2^20 B and up reads as a byte count (parse_bytes); 0 with its unit or without it
+    assert main(TINY_FLAGS + ["--quiet", "--json", "--hbm", "85899345920",
+                              "--non-pytorch-memory", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["hbm_bytes"], out["settings"]["non_pytorch_memory_bytes"]) == (80 * 2**30, 0)
+
+
+def test_choices_take_any_letter_case(capsys):
+    assert main(TINY_FLAGS + ["--quiet", "--json", "--schedule", "GPipe",
+                              "--recompute", "Full", "--units", "gib"]) == 0
+    settings = json.loads(capsys.readouterr().out)["settings"]
+    assert (settings["schedule"], settings["recompute"]) == ("gpipe", "full")
+    assert main(TINY_FLAGS + ["--quiet", "--units", "MIB"]) == 0
+    assert "Memory columns in MiB (2^20 B)" in capsys.readouterr().out
+
+
+def test_dualpipe_names_the_model_chunk_of_its_step_and_the_chunks_a_rank_holds(capsys):
+    # DualPipe (arXiv 2412.19437 3.2.1): rank r holds chunks r and pp - 1 - r of its two copies
+    assert main(["estimate", "--model", "deepseek-tiny", "--world-size", "4", "--pp", "4",
+                 "--schedule", "dualpipe", "--num-microbatches", "8", "--micro-batch-size",
+                 "1", "--seq-length", "256", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    legend = next(line for line in out.splitlines() if line.startswith("at step:"))
+    assert legend == (
+        "at step: the schedule step running at the peak, model chunk + kind + microbatch: "
+        "0B0 = model chunk 0, backward, microbatch 0 (F = forward, B = backward); under "
+        "dualpipe each rank holds 2 model chunks (stage 0: chunks 0 and 3).")
+
+
+def test_the_flags_door_names_the_approximations_the_megatron_door_does(capsys, tmp_path):
+    # the same job through both doors: the same "Approximated" notes (megatron_approximations
+    # of the job's Megatron-LM arguments)
+    flags = TINY_FLAGS + ["--quiet", "--cross-entropy-fusion", "native"]
+    assert main(flags + ["--print-megatron-args"]) == 0
+    path = tmp_path / "job.args"
+    path.write_text(capsys.readouterr().out)
+    assert main(flags) == 0
+    mine = capsys.readouterr().out
+    assert main(["estimate", "--world-size", "2", "--quiet", "--megatron-args",
+                 f"@{path}"]) == 0
+    theirs = capsys.readouterr().out
+
+    def notes(text):
+        return [line for line in text.splitlines() if line.startswith("- --")]
+
+    assert notes(mine) == notes(theirs) and notes(mine)
+    assert mine.splitlines()[0].startswith("Approximated (this job as Megatron-LM arguments")
