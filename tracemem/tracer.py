@@ -457,14 +457,18 @@ class MemoryTracer(TorchDispatchMode):
         if rec is not None:
             self._check_resize(tensor, rec, self._phase())
 
-    def tag(self, tensor: Tensor, category: Category) -> None:
+    def tag(self, tensor: Tensor, category: Category, module: str | None = None) -> None:
         """Give the storage of ``tensor`` (born in the traced region) ``category``: how
         collective wrappers mark their buffers ``comm_buffer``. A storage saved for backward
-        stays an ``activation``."""
+        stays an ``activation``. ``module``: the module path to attribute it to, where the
+        tracer found none running (a hook's buffer made in backward); None keeps the one
+        found."""
         rec = self._live.get(tensor.untyped_storage()._cdata)
         if rec is not None and rec.phase is not Phase.EXTERNAL \
                 and rec.category is not Category.ACTIVATION:
             rec.category = category
+            if module is not None:
+                rec.module = module
 
     def _retag(self, t: Tensor | None, category: Category, module: str | None = None) -> None:
         """Give a storage born in the region its final category (and module)."""

@@ -79,8 +79,19 @@ Megatron-FSDP) a gather stays one flat buffer of the unit's parameters:
   all-gather output, comes right after the head: placed at the head's post-forward here, where
   tracemem's ``Transformer`` goes on to its loss.
 
-Not modelled: the gradient reduce-scatter buffers (the gradient is counted as Megatron's main
-grad), and without ``fsdp2_group`` FSDP2's padding and all-gather output.
+- ``FSDPParamGroup.post_backward`` -> ``foreach_reduce`` (``Zero3Gathers._reduce``): after the
+  reshard, the previous unit's reduce-scatter input is released
+  (``reduce_scatter_max_input_buffers`` 1), this unit's made (fp32, every unsharded gradient,
+  dim 0 padded to N), the bf16 unsharded gradients freed into it; at N = 1 one fp32 quotient
+  (``reduce_scatter_input / gradient_divide_factor``, torchtitan's factor 1.0). The root's
+  final callback runs the post-backward of units whose inputs need no gradient (the
+  embedding) and releases the last input.
+
+Not modelled: the reduce output, the fp32 sharded gradient, which FSDP2 makes in the first
+backward of a step (``new_sharded_grad``; torchtitan's ``zero_grad`` drops it every step): the
+``fsdp2`` recipe counts it in static memory from the start (an overstatement of the forward
+peaks by 4 B per sharded parameter); without ``fsdp2_group`` the gradient reduce-scatter
+(counted as Megatron's main grad), FSDP2's padding and all-gather output.
 """
 
 from __future__ import annotations
@@ -98,6 +109,7 @@ __all__ = ["zero3_units", "Zero3Gathers", "pp_keeps_gathered", "pp_resident_byte
 
 # FSDP2's reduce_dtype under torchtitan (training.mixed_precision_reduce: only float32)
 REDUCE_BYTES = 4
+REDUCE_DTYPE = torch.float32
 
 
 def pp_keeps_gathered(par) -> bool:
@@ -171,7 +183,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.gathers.free(ctx.name)
+        ctx.gathers.post_backward(ctx.name)
         return (None, None, *grads)
 
 
@@ -207,6 +219,7 @@ class Zero3Gathers:
         self._device = torch.device("meta")
         self._handles: list = []
         self._forward = False  # in a unit's pre-forward (FSDP2's TrainingState.FORWARD)
+        self._reduce_input: Tensor | None = None  # the last reduce-scatter input (fsdp2)
 
     @classmethod
     def for_layout(cls, par, prefetch: bool = True) -> Zero3Gathers:
@@ -297,11 +310,12 @@ class Zero3Gathers:
             mode.tag(buffer, Category.PARAMETER)
         self._gathered[name] = buffer
 
-    def _empty(self, numel: int, dtype: torch.dtype, category: Category) -> Tensor:
+    def _empty(self, numel: int, dtype: torch.dtype, category: Category,
+               module: str | None = None) -> Tensor:
         buffer = torch.empty(numel, dtype=dtype, device=self._device)
         mode = _get_current_dispatch_mode()
         if isinstance(mode, MemoryTracer):
-            mode.tag(buffer, category)
+            mode.tag(buffer, category, module)
         return buffer
 
     def _padded_shard(self, p: Tensor) -> int:
@@ -354,8 +368,51 @@ class Zero3Gathers:
     def free(self, name: str) -> None:
         self._gathered.pop(name, None)
 
+    def post_backward(self, name: str) -> None:
+        """``FSDPParamGroup.post_backward``: reshard the unit, then with ``fsdp2_group``
+        reduce its gradients (``_reduce``)."""
+        self.free(name)
+        if self.fsdp2_group is not None:
+            self._reduce(name)
+
+    def _reduce(self, name: str) -> None:
+        """FSDP2's gradient reduce-scatter of unit ``name`` (torch 2.13
+        ``FSDPParamGroup.post_backward`` and ``_fsdp_collectives.py`` ``foreach_reduce``):
+        the previous unit's reduce-scatter input is released first
+        (``comm_ctx.reduce_scatter_states``, ``reduce_scatter_max_input_buffers`` 1), then
+        this unit's is made (``reduce_scatter_comm.allocate``: every unsharded gradient, dim 0
+        padded to a multiple of the group, in ``reduce_dtype``: fp32), the bf16 unsharded
+        gradients copied in (``foreach_reduce_scatter_copy_in``) and freed
+        (``unsharded_grads.clear()``, after ``unsharded_param.grad = None``). The reduce
+        output is the sharded fp32 gradient (``new_sharded_grad``, a view of it), counted in
+        static memory as the ``fsdp2`` recipe's grads, so not traced again here. The input is
+        held until the next unit's reduce or the root's final callback."""
+        params = [p for p in self._params.get(name, ()) if p.grad is not None]
+        if not params:
+            return
+        self._reduce_input = None
+        numel = sum(self._padded_shard(p) * self.fsdp2_group for p in params)
+        self._reduce_input = self._empty(numel, REDUCE_DTYPE, Category.COMM_BUFFER, name)
+        for p in params:
+            p.grad = None
+        if self.fsdp2_group == 1:
+            # world size 1: reduce_output.copy_(reduce_scatter_input / gradient_divide_factor),
+            # the factor 1.0 (torchtitan 0.3.0 torchtitan/distributed/fsdp.py
+            # disable_fsdp_gradient_division, called by apply_fsdp_to_decoder): one fp32
+            # quotient of every gradient, freed after the copy
+            quotient = self._empty(numel, REDUCE_DTYPE, Category.TEMPORARY, name)
+            del quotient
+
     def end_backward(self) -> None:
-        """The root's final callback: reshard every unit still gathered."""
+        """The root's final callback: with ``fsdp2_group`` the units whose post-backward did
+        not run (inputs that need no gradient: the embedding) reduce their gradients
+        (``FSDPState._root_post_backward_final_callback``), and the last reduce-scatter input
+        is released; then every unit still gathered is resharded."""
+        if self.fsdp2_group is not None:
+            for name, params in self._params.items():  # post_backward: reshard, then reduce
+                if any(p.grad is not None for p in params):
+                    self.post_backward(name)
+            self._reduce_input = None  # reduce_scatter_states.clear()
         self._gathered.clear()
         self._pending.clear()
         self._deferred = None

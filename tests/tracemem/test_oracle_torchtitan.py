@@ -125,10 +125,11 @@ def test_the_root_final_callback_is_the_embeddings():
 
 
 def test_open_peaks_are_reported_unexplained(results):
-    # the backward peaks: FSDP2's gradient reduce-scatter buffers (foreach_reduce: the fp32
-    # reduce-scatter input and output, retained until the next unit's) are not in
-    # tracemem.zero3; at degree 1 they are the layer's backward peak on torchtitan's side,
-    # 3 fp32 buffers of the unit's 852,480 elements (input, output, the divided copy)
+    # the backward peaks: at degree 1 the layer's backward peak on torchtitan's side is 3 fp32
+    # buffers of the unit's 852,480 elements (foreach_reduce: input, output, the divided
+    # copy); tracemem.zero3 traces the input and the copy, and holds the output (the sharded
+    # gradient) in static memory from the start, so its peak is the backward's GEMMs'
+    # (open: the oracle's lead)
     fsdp1 = results[0]
     at_peak = [(n, dtype) for n, dtype, *_ in fsdp1.torchtitan[3].backward_peak_storages]
     assert at_peak == [(852_480 * 4, "float32")] * 3

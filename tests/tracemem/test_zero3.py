@@ -187,14 +187,21 @@ def test_fsdp2_backward_prefetches_the_all_gather_and_copies_out_at_use():
         # [norm, head] resharded after the norm's backward (its post-backward hook is on the
         # norm's input)
         ("free", 80, P), ("free", 8, P),
+        # then its gradient reduce-scatter input (foreach_reduce): fp32, every unsharded
+        # gradient, (4 + 40) x 4 = 176 B
+        ("alloc", 176, C),
         # the layer's pre-backward: copy-out, the output freed at once (backward), then the
-        # embed prefetched; the layer resharded after its backward
+        # embed prefetched
         ("alloc", 48, P), ("alloc", 48, P), ("free", 96, C),
         ("alloc", 40, C), ("alloc", 80, C), ("free", 40, C),
-        ("free", 48, P), ("free", 48, P),
-        # the embed's pre-backward copies out; the root's final callback reshards it (its
-        # inputs need no gradient)
-        ("alloc", 80, P), ("free", 80, C), ("free", 80, P)]
+        # the layer's post-backward: resharded, the previous reduce-scatter input released
+        # (reduce_scatter_max_input_buffers 1), its own made: (24 + 24) x 4 = 192 B
+        ("free", 48, P), ("free", 48, P), ("free", 176, C), ("alloc", 192, C),
+        # the embed's pre-backward copies out; the root's final callback runs its
+        # post-backward (its inputs need no gradient): reshard, the layer's reduce-scatter
+        # input released, the embed's made (40 x 4 = 160 B); then the last one released
+        ("alloc", 80, P), ("free", 80, C), ("free", 80, P), ("free", 192, C),
+        ("alloc", 160, C), ("free", 160, C)]
 
 
 def test_fsdp2_world_size_1_copies_each_parameter_from_its_cast():
@@ -229,3 +236,35 @@ def test_fsdp2_group_only_for_the_fsdp2_recipe():
                                              precision="fsdp2")) == 4
     assert Zero3Gathers.for_layout(ParallelConfig.create(TINY, world_size=2,
                                                          zero=3)).fsdp2_group is None
+
+
+def test_fsdp2_frees_each_units_bf16_gradients_at_its_post_backward():
+    # foreach_reduce: the unsharded gradients are copied into the reduce-scatter input and
+    # freed (unsharded_grads.clear()) at each unit's post-backward; the embed's (inputs that
+    # need no gradient) at the root's final callback
+    model = _Tiny().to(device="meta", dtype=torch.bfloat16)
+    gathers = Zero3Gathers(fsdp2_group=2).install(model)
+    tracer = MemoryTracer(rounding=None, devices={"meta"})
+    tracer.track_external(model)
+    with tracer:
+        model(torch.zeros(1, 3, dtype=torch.long, device="meta")).backward()
+        left = {name for name, p in model.named_parameters() if p.grad is not None}
+        gathers.end_backward()
+    gathers.remove()
+    assert left == {"embed.weight"}
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_fsdp2_world_size_1_divides_into_one_fp32_quotient():
+    # world size 1: reduce_output.copy_(reduce_scatter_input / gradient_divide_factor)
+    # (torchtitan's factor 1.0): a temporary of every gradient in fp32 after the input
+    _, bwd = _fsdp2_events(1)
+    reduce = [e for e in bwd if e[1] in (176, 192, 160)]  # the bf16 buffers: 8 to 96 B
+    # [norm, head] (4 + 40) x 4 = 176 B; the layer (24 + 24) x 4 = 192 B; the embed 160 B
+    assert reduce == [("alloc", 176, "comm_buffer"), ("alloc", 176, "temporary"),
+                      ("free", 176, "temporary"),
+                      ("free", 176, "comm_buffer"), ("alloc", 192, "comm_buffer"),
+                      ("alloc", 192, "temporary"), ("free", 192, "temporary"),
+                      ("free", 192, "comm_buffer"), ("alloc", 160, "comm_buffer"),
+                      ("alloc", 160, "temporary"), ("free", 160, "temporary"),
+                      ("free", 160, "comm_buffer")]

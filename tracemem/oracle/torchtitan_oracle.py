@@ -439,8 +439,10 @@ def format_results(results: list[TitanResult]) -> str:
         [line for r in results for line in r.unexplained],
         "tracemem.oracle.torchtitan_oracle.TITAN_RESIDUE",
         lead="Lead, not a residue row (docs/validation.md, 'Against torchtitan itself'): "
-             "FSDP2's gradient reduce-scatter buffers (torch 2.13 _fsdp_collectives.py "
-             "foreach_reduce) are not traced by tracemem.zero3.")
+             "FSDP2's reduce output, the fp32 sharded gradient, is made in backward by "
+             "torch 2.13 _fsdp_collectives.py foreach_reduce (new_sharded_grad); tracemem's "
+             "fsdp2 recipe holds it in static memory from the start, outside the layer's "
+             "backward span.")
 
 
 def results_json(results: list[TitanResult]) -> list[dict]:
