@@ -19,7 +19,9 @@ A second check on the same case: what is alive after the step (``mem-allocated-b
 (parameters, gradient buffers, optimizer states, buffers) and workspaces, the memory that
 outlives a step. A third: iteration 1's ``mem-max-allocated-bytes`` against the same step with
 the optimizer state that TE's ``FusedAdam`` makes lazily (the moments; the master weights too
-under the precision-aware optimizer) absent until its first step (``first_step_peak``).
+under the precision-aware optimizer) absent until its first step (``first_step_peak``), except
+where the checkpoint loader makes it before iteration 1 (``state_before_first_step``:
+Megatron-FSDP with ``--ckpt-format fsdp_dtensor`` and ``--load``).
 
 Beside it, Megatron-LM's own closed form on the same arguments
 (``tracemem.formulas.megatron.theoretical_memory_usage``, d98e8a6, term by term): what its
@@ -41,7 +43,7 @@ from dataclasses import dataclass
 from tracemem.errors import TracememError
 
 __all__ = ["BoardRow", "score_case", "score_cases", "summary", "format_board",
-           "first_step_peak", "lazy_optimizer_bytes"]
+           "first_step_peak", "lazy_optimizer_bytes", "state_before_first_step"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,28 @@ class BoardRow:
         return self.formula_bytes / self.measured_bytes - 1
 
 
+def state_before_first_step(argv) -> bool:
+    """Whether the job's optimizer state exists before iteration 1 (so nothing of it is made
+    at the first step): Megatron-FSDP with ``--ckpt-format fsdp_dtensor``, the distributed
+    optimizer and ``--load`` given (Megatron-LM's CI passes it on a first run too, an empty
+    directory: tests/test_utils/shell_scripts/run_ci_test.sh), without ``--finetune`` or
+    ``--no-load-optim``. Megatron-LM d98e8a6 ``megatron/training/checkpointing.py``
+    ``load_checkpoint``: the ``elif args.ckpt_format == 'fsdp_dtensor'`` branch tests the
+    argument, not the format found on disk, and builds the loading state dict
+    (``generate_state_dict(..., optimizer=optimizer)``, ``is_loading=True``) before it finds
+    nothing to load; ``megatron/core/optimizer/distrib_optimizer.py``
+    ``sharded_param_state_fsdp_dtensor`` then runs ``_init_optimizer_states_with_dummy_values``:
+    zero gradients, ``self.optimizer.step()`` (TE ``FusedAdam.step`` initialises every empty
+    state), ``zero_grad()``. The other formats load the optimizer only from a checkpoint found
+    (``ckpt_format == 'torch_dist'``, the detected value), so their state stays lazy."""
+    from tracemem.frontdoors.megatron import expand_megatron_args, parse_with_given
+
+    ns, _ = parse_with_given(expand_megatron_args(list(argv)))
+    return bool(getattr(ns, "use_megatron_fsdp", False) and ns.ckpt_format == "fsdp_dtensor"
+                and ns.use_distributed_optimizer and ns.load is not None
+                and not ns.finetune and not ns.no_load_optim)
+
+
 def lazy_optimizer_bytes(job, optimizer_bytes: int) -> int:
     """Of a rank's ``optimizer_bytes`` (master weights + Adam moments), what the optimizer
     creates at its first step: TE's ``FusedAdam.step`` (transformer_engine/pytorch/optimizers/
@@ -126,7 +150,8 @@ def first_step_peak(job, traced) -> int:
     from types import SimpleNamespace
 
     static, steps = traced.static, traced.steps
-    lazy = lazy_optimizer_bytes(job, static.optimizer_bytes)
+    lazy = (0 if state_before_first_step(job.megatron_args)
+            else lazy_optimizer_bytes(job, static.optimizer_bytes))
     stage, where = traced.unit.stage, _placement(job)
     optimizer_step = next(i for i, s in enumerate(steps) if s.kind == "O")
     made = SimpleNamespace(category=Category.OPTIMIZER_STATE, module="optimizer",
@@ -282,7 +307,8 @@ def format_board(rows: list[BoardRow], left_out: list[tuple[object, str]],
                                        "memory + workspaces)", s["after_step"]))
         if "iteration_1" in s:
             lines.append(_summary_line("Iteration 1 (mem-max-allocated-bytes; Adam's moments "
-                                       "made at its optimizer step)", s["iteration_1"]))
+                                       "made at its optimizer step, before it where "
+                                       "Megatron-FSDP loads fsdp_dtensor)", s["iteration_1"]))
         if "formula" in s:
             lines.append(_summary_line("Megatron-LM's theoretical_memory_usage on the same "
                                        "cases", s["formula"]))
