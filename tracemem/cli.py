@@ -23,7 +23,6 @@ from tracemem.report import (
     format_breakdown,
     format_comparisons,
     format_estimate,
-    format_estimate_json,
     format_size,
     get_summary,
     pick_units,
@@ -239,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="CUBLAS_WORKSPACE_CONFIG as the job sets it (e.g. :4096:8): sizes "
                            "PyTorch's cuBLAS workspaces (with --gpu); a Megatron-LM job "
                            "takes it from the environment variable CUBLAS_WORKSPACE_CONFIG")
-    step.add_argument("--optimizer", default="fused",
+    step.add_argument("--optimizer", default="fused", type=str.lower,
                       help="the optimizer step's Adam: fused (Megatron's TE / apex FusedAdam, no "
                            "temporaries) or torch (torch.optim.Adam, foreach, traced) (default "
                            "%(default)s)")
@@ -977,7 +976,12 @@ def _run_params(args: argparse.Namespace) -> str:
     from modeling.common.model import build_model
     from modeling.params import count_activated, count_by_component, count_total
 
+    from tracemem.job import MAX_WORLD_SIZE, _positive
+
     job = _megatron_job(args)
+    if job is None and getattr(args, "world_size", None) is not None:
+        # a preset's count needs no world size; one given is still checked, as a Job would
+        _positive("--world-size", args.world_size, MAX_WORLD_SIZE)
     cfg = job.config if job is not None else load_config(args.model)
     model = build_model(cfg, "meta", replace=args.replace)
     result = {
@@ -1122,7 +1126,12 @@ def _run_estimate(args: argparse.Namespace) -> str:
     if progress:
         progress.done()
     if args.json:
-        return format_estimate_json(result, fits)
+        from tracemem.report import get_estimate
+
+        data = get_estimate(result, fits)
+        # what tracemem approximates of the job (the text output's "Approximated" lines)
+        data["approximations"] = list(getattr(args, "approximations", None) or [])
+        return json.dumps(data, indent=2)
     return format_estimate(result, units=args.units, fits=fits, wide=args.wide,
                            hbm_from_gpu=hbm_source)
 
@@ -1163,6 +1172,8 @@ def _flag_job_approximations(job) -> list[str]:
 
     if job.profile.name != "megatron-te":
         return []
+    if job.recipe is not None or job.replacements:  # the recipe names its own
+        return []  # (_override_note); the user's own layers are not a Megatron-LM job
     if job.profile.options.get("cross_entropy_fusion") == "te":
         # megatron-te's default TE cross entropy has no Megatron-LM argument; no note
         # (APPROXIMATIONS_WHEN) depends on the cross entropy, so state the job with native's
@@ -1170,8 +1181,17 @@ def _flag_job_approximations(job) -> list[str]:
                                                "cross_entropy_fusion": "native"})
     try:
         return megatron_approximations(to_megatron_args(job))
-    except TracememError:  # a schedule or recipe with no Megatron-LM argument
-        return []
+    except TracememError as error:  # a schedule or recipe with no Megatron-LM argument
+        return [f"not listed: Megatron-LM cannot run this job as given ({error})"]
+
+
+def _wrapped_notes(notes: Sequence[str]) -> list[str]:
+    """``notes`` as "- " items within 100 columns, continuation lines indented."""
+    import textwrap
+
+    return [line for note in notes for line in
+            textwrap.wrap(note, 100, initial_indent="- ", subsequent_indent="  ",
+                          break_on_hyphens=False, break_long_words=False)]
 
 
 def _override_note(args: argparse.Namespace) -> str:
@@ -1196,17 +1216,16 @@ def _override_note(args: argparse.Namespace) -> str:
     if getattr(args, "overrides", None):
         flags = ", ".join("--" + name.replace("_", "-") for name in args.overrides)
         lines.append(f"tracemem's flags override the {door} job's: {flags}")
-    if getattr(args, "approximations", None) and getattr(args, "approximations_of",
-                                                         None) == "flags":
-        lines.append("Approximated (this job as Megatron-LM arguments, --print-megatron-args, "
-                     "with Megatron's defaults, that change memory by what tracemem does not "
-                     "trace):")
-        lines += [f"- {note}" for note in args.approximations]
-    elif getattr(args, "approximations", None):
+    notes = getattr(args, "approximations", None)
+    if notes and getattr(args, "approximations_of", None) == "flags":
+        lines.append("Approximated (what Megatron-LM does in this job, by its defaults, that "
+                     "tracemem does not trace):")
+        lines += _wrapped_notes(notes)
+    elif notes:
         default = "Megatron's" if door == "Megatron-LM" else f"{door}'s"
         lines.append(f"Approximated ({door} arguments, as given or by {default} default, "
                      f"that change memory by what tracemem does not trace):")
-        lines += [f"- {note}" for note in args.approximations]
+        lines += _wrapped_notes(notes)
     return "\n".join(lines) + "\n\n" if lines else ""
 
 

@@ -890,12 +890,13 @@ def search_space(**values: str | None) -> SearchSpace:
                                         f"comma-separated integers, e.g. 1,2,4")
                 parsed.append(int(item))
             elif kind == "onoff":
+                item = item.lower()  # as every fixed-choice flag takes any letter case
                 if item not in ("on", "off"):
                     raise TracememError(f"{flag} value {item!r} is invalid; give on, off or "
                                         f"on,off")
                 parsed.append(item == "on")
-            else:
-                parsed.append(item)
+            else:  # recompute modes and schedules: lower-case names, any case taken
+                parsed.append(item.lower())
         kwargs[name] = tuple(dict.fromkeys(parsed))
     return SearchSpace(**kwargs)
 

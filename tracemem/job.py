@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import re
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
@@ -80,6 +81,28 @@ NON_PYTORCH_MEMORY_DEFAULT = "512MiB"
 RENAMED = {"schedule_name": "schedule"}
 
 
+def check_cublas_workspace_config(text: str | None) -> None:
+    """``CUBLAS_WORKSPACE_CONFIG`` as cuBLAS documents it: one or more ``:SIZE:COUNT`` (SIZE
+    KiB, COUNT buffers), such as ``:4096:8``, at most 1 TiB in all. torch 2.13
+    (``CublasHandlePool.cpp`` ``parseChosenWorkspaceSize``) sums the matches and only warns
+    on a value with none, taking its default: refused here, so a typo is not a silent default.
+
+    Raises:
+        TracememError: any other text, or more than 1 TiB.
+    """
+    if text is None:
+        return
+    if not re.fullmatch(r"(:[0-9]{1,12}:[0-9]{1,12})+", text):
+        raise TracememError(f"--cublas-workspace-config {_show(text)} is invalid; give "
+                            f":SIZE:COUNT (SIZE in KiB), one or more, such as :4096:8 "
+                            f"(Megatron-LM's deterministic runs) or :4096:2:16:8")
+    total = sum(int(size) * 1024 * int(count)
+                for size, count in re.findall(r":([0-9]+):([0-9]+)", text))
+    if total > 2**40:
+        raise TracememError(f"--cublas-workspace-config {text} is {total:,} B a cuBLAS handle, "
+                            f"more than 1 TiB; no GPU holds that")
+
+
 def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
     """``"80GiB"`` -> 85899345920, ``"80GB"`` -> 80000000000, ``"1024"`` or ``1024`` -> 1024.
     Units: B, KiB, MiB, GiB, TiB (binary: 2^10 steps), kB, MB, GB, TB (decimal: 10^3 steps, as
@@ -97,6 +120,11 @@ def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
         raise TracememError(f"{flag} {_show(text)} is invalid; give a size as text, such as "
                             f"80GiB, or a byte count (an int)")
     number, unit = _split_size(text)
+    written = text.strip()[len(text.strip()) - len(unit):] if unit is not None else ""
+    if re.fullmatch(r"[KMGT]b", written):  # 80Gb: gigabits, as network links are written
+        raise TracememError(f"{flag} {text!r}: {written} reads as {written[0]}-bits; give "
+                            f"{number}{written[0]}B (decimal bytes) or {number}{written[0]}iB "
+                            f"(binary)")
     if unit is not None and len(number) <= 40:
         try:
             value = float(number) * _UNITS[unit]
@@ -115,9 +143,10 @@ def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
             if value > MAX_HBM_BYTES:  # inf included; NaN compares false
                 raise TracememError(f"{flag} {text!r} is more than 1 PiB; no device holds "
                                     f"that")
+    example = "80G" if flag == "--hbm" else "512M"  # a device's memory; an overhead
     raise TracememError(f"{flag} {_show(text)} is invalid; give a {'' if zero else 'positive '}"
-                        f"size of whole bytes such as 80GiB (binary: KiB, MiB, GiB, TiB), 80GB "
-                        f"(decimal: kB, MB, GB, TB) or a number of bytes")
+                        f"size of whole bytes such as {example}iB (binary: KiB, MiB, GiB, TiB), "
+                        f"{example}B (decimal: kB, MB, GB, TB) or a byte count of 1 MiB or more")
 
 
 def _split_size(text: str) -> tuple[str, str | None]:
@@ -548,6 +577,7 @@ class Job:
                                 f"for exact bytes")
         put(self, "rounding", rounding or None)  # 0: exact bytes, as None
         check_recompute_method(self.recompute, self.recompute_method, self.recompute_num_layers)
+        check_cublas_workspace_config(self.cublas_workspace_config)
         hbm_bytes = parse_bytes(self.hbm) if self.hbm is not None else None
         put(self, "hbm_bytes", hbm_bytes)
         options = dict(self.kernel_options or {})

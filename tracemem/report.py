@@ -253,7 +253,8 @@ def format_verdict(verdict: dict[str, Any], units: str = "GiB", hbm_given: str |
         spare = hbm - verdict["worst_needed_bytes"]
         every = f"all {n} {stage_word} fit" if n > 1 else "the pipeline stage fits"
         return (f"Verdict: {every} in {_hbm_label(hbm, units, hbm_given)}; "
-                f"{worst} ({_size_label(spare, units)} to spare).")
+                f"{worst}, needs {_size_label(verdict['worst_needed_bytes'], units)} "
+                f"(reserved + non-PyTorch memory), {_size_label(spare, units)} to spare.")
     listed = "stage" if len(over) == 1 else "stages"
     exceed = "exceeds" if len(over) == 1 else "exceed"
     return (f"Verdict: {len(over)} of {n} {stage_word} {exceed} "
@@ -430,11 +431,9 @@ def _legend(result, units: str, keys: Sequence[str] | None = None) -> list[str]:
         kinds = ", ".join(f"{k} = {v}" for k, v in _STEP_KINDS.items() if k in seen | {"F", "B"})
         held_chunks = ""
         if chunked:  # DualPipe, DualPipeV, ZBV: two chunks per rank, not stage = rank
-            worst_stage = result.worst.pp_stage
-            mine = where.chunks_of(worst_stage)
+            last = where.num_chunks - 1  # stage s holds chunks s and last - s
             held_chunks = (f"; under {result.settings.get('schedule')} each rank holds "
-                           f"{len(mine)} model chunks (stage {worst_stage}: chunks "
-                           f"{' and '.join(map(str, mine))})")
+                           f"2 model chunks, stage s chunks s and {last} - s")
         lines.append(f"{'at step' if shown('step') else 'step'}: the schedule step running "
                      f"at the peak, {stage} + kind + "
                      f"microbatch: {worst} = {stage} {match[1]}, "

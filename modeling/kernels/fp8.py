@@ -105,9 +105,10 @@ def check_fp8(recipe: str, arch: str, gpu_arch: tuple[int, int] | None = None) -
         return
     if gpu_arch is not None and gpu_arch < (8, 9):
         default = " (Megatron's default)" if recipe == "delayed" else ""  # arguments.py
-        raise TracememError(f"--fp8-recipe {recipe}{default} needs compute capability 8.9 or "
-                            f"higher (TE check_fp8_support); the GPU has "
-                            f"{gpu_arch[0]}.{gpu_arch[1]}")
+        raise TracememError(f"FP8 (--fp8-recipe {recipe}{default}) needs compute capability "
+                            f"8.9 or higher, as every FP8 recipe does (TE check_fp8_support: "
+                            f"Ada, Hopper and later); the GPU has {gpu_arch[0]}.{gpu_arch[1]}: "
+                            f"train in bf16 (no --fp8-format)")
     if recipe == "blockwise" and gpu_arch is not None and gpu_arch < (9, 0):
         raise TracememError("--fp8-recipe blockwise needs compute capability 9.0 or higher "
                             "(TE _compute_fp8_block_scaling_support)")

@@ -430,14 +430,15 @@ def get_profile(name: str | KernelProfile = "megatron-te",
         raise TracememError(f"--kernels {name!r} is invalid; choose one of "
                             f"{', '.join(KERNEL_PROFILES)}")
     known = {"megatron-te": MEGATRON_TE_OPTIONS, "torch": TORCH_OPTIONS}.get(name, {})
+    fp8_keys = [k for k in options if k.startswith("fp8_")]
+    if fp8_keys and name != "megatron-te":  # the format first: the flag that turns FP8 on
+        key = "fp8_format" if "fp8_format" in fp8_keys else fp8_keys[0]
+        flag = {"fp8_layers_at_start_in_bf16": "--num-layers-at-start-in-bf16",
+                "fp8_layers_at_end_in_bf16": "--num-layers-at-end-in-bf16",
+                "fp8_arch": "--gpu"}.get(key, "--" + key.replace("_", "-"))  # Megatron's
+        raise TracememError(f"FP8 ({flag} {options[key]}) needs --kernels megatron-te "
+                            f"(Transformer Engine's FP8 modules); --kernels {name} runs bf16")
     for key, value in options.items():
-        if key.startswith("fp8_") and name != "megatron-te":
-            flag = {"fp8_layers_at_start_in_bf16": "--num-layers-at-start-in-bf16",
-                    "fp8_layers_at_end_in_bf16": "--num-layers-at-end-in-bf16",
-                    "fp8_arch": "--gpu"}.get(key, "--" + key.replace("_", "-"))  # Megatron's
-            raise TracememError(f"FP8 ({flag}, kernel option {key!r}) needs --kernels "
-                                f"megatron-te (Transformer Engine's FP8 modules); --kernels "
-                                f"{name} runs bf16")
         if key not in known:
             raise TracememError(f"kernel option {key!r} does not apply to --kernels {name}"
                                 + (f"; options: {', '.join(known)}" if known else ""))

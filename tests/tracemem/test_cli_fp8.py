@@ -132,11 +132,12 @@ def test_typed_fp8_flags_beside_a_megatron_job_override_it_and_say_so(capsys, tm
      "--fp8-recipe applies with --fp8-format (e4m3 or hybrid); give it too (Megatron-LM runs "
      "FP8 only with --fp8-format)"),
     ("--fp8-format hybrid --kernels torch",  # the Job's words, as through the Megatron door
-     "FP8 (--fp8-recipe, kernel option 'fp8_recipe') needs --kernels megatron-te "
-     "(Transformer Engine's FP8 modules); --kernels torch runs bf16"),
+     "FP8 (--fp8-format hybrid) needs --kernels megatron-te (Transformer Engine's FP8 "
+     "modules); --kernels torch runs bf16"),
     ("--fp8-format hybrid --gpu A100",  # issue 26: the recipe not given is Megatron's default
-     "--fp8-recipe delayed (Megatron's default) needs compute capability 8.9 or higher (TE "
-     "check_fp8_support); the GPU has 8.0"),
+     "FP8 (--fp8-recipe delayed (Megatron's default)) needs compute capability 8.9 or higher, "
+     "as every FP8 recipe does (TE check_fp8_support: Ada, Hopper and later); the GPU has "
+     "8.0: train in bf16 (no --fp8-format)"),
     ("--fp8-format hybrid --fp8-recipe custom",
      "--fp8-recipe custom is not modelled yet (a user quantizer factory's tensors); use "
      "delayed, tensorwise, mxfp8 or blockwise"),
@@ -169,8 +170,8 @@ def test_the_same_errors_through_the_megatron_door(capsys, tmp_path):
     assert main(["estimate", "--world-size", "2", "--quiet", "--kernels", "torch",
                  "--fp8-format", "hybrid", "--megatron-args", f"@{path}"]) == 2
     assert capsys.readouterr().err == (
-        "tracemem: error: FP8 (--fp8-recipe, kernel option 'fp8_recipe') needs --kernels "
-        "megatron-te (Transformer Engine's FP8 modules); --kernels torch runs bf16\n")
+        "tracemem: error: FP8 (--fp8-format hybrid) needs --kernels megatron-te "
+        "(Transformer Engine's FP8 modules); --kernels torch runs bf16\n")
     assert main(["estimate", "--world-size", "2", "--quiet", "--fp8-recipe", "tensorwise",
                  "--megatron-args", f"@{path}"]) == 2
     assert capsys.readouterr().err == ("tracemem: error: --fp8-recipe applies with "

@@ -157,7 +157,8 @@ def test_verdict_counts_the_stages_over_hbm(tiny):
     fits = estimate("deepseek-tiny", hbm="64MiB", **TINY)
     assert format_verdict(get_verdict(fits), "MiB") == (
         f"Verdict: all 2 pipeline stages fit in 64 MiB; the worst is stage 1 at "
-        f"{peak / 2**20:.2f} MiB ({(64 * 2**20 - needed) / 2**20:.2f} MiB to spare).")
+        f"{peak / 2**20:.2f} MiB, needs {needed / 2**20:.2f} MiB (reserved + non-PyTorch "
+        f"memory), {(64 * 2**20 - needed) / 2**20:.2f} MiB to spare.")
     assert format_verdict(get_verdict(tiny), "MiB").endswith(
         "give --hbm (e.g. 80GiB) to say whether it fits.")
 
@@ -280,7 +281,8 @@ def test_the_verdict_says_a_decimal_hbm_is_one():
     # 80e9 B / 2^30 = 74.5058 GiB; spare 80e9 - 2^31 = 77,852,516,352 B = 72.5058 GiB
     assert format_verdict(verdict, "GiB", "80GB") == (
         "Verdict: all 2 pipeline stages fit in --hbm 80GB (decimal units, 1 GB = 10^9 B; = "
-        "74.51 GiB); the worst is stage 0 at 1.00 GiB (72.51 GiB to spare).")
+        "74.51 GiB); the worst is stage 0 at 1.00 GiB, needs 2.00 GiB (reserved + non-PyTorch "
+        "memory), 72.51 GiB to spare.")
     binary = verdict | {"hbm_bytes": 80 * 2**30}
     assert "fit in 80 GiB;" in format_verdict(binary, "GiB", "80GiB")  # as before
 
@@ -595,12 +597,13 @@ def test_verdict_figures_are_in_the_tables_units():
     # 80 GiB = 81,920 MiB; spare 81,920 - 6 = 81,914 MiB
     assert format_verdict(verdict, "MiB", "80GiB") == (
         "Verdict: all 2 pipeline stages fit in 80 GiB (81,920 MiB); the worst is stage 1 at "
-        "5.00 MiB (81,914.00 MiB to spare).")
+        "5.00 MiB, needs 6.00 MiB (reserved + non-PyTorch memory), 81,914.00 MiB to spare.")
     # 80 GB = 80e9 / 2^20 = 76,293.945 MiB; spare 76,293.95 - 6 = 76,287.95 MiB
     decimal = verdict | {"hbm_bytes": 80 * 10**9}
     assert format_verdict(decimal, "MiB", "80GB") == (
         "Verdict: all 2 pipeline stages fit in --hbm 80GB (decimal units, 1 GB = 10^9 B; = "
-        "76,293.95 MiB); the worst is stage 1 at 5.00 MiB (76,287.95 MiB to spare).")
+        "76,293.95 MiB); the worst is stage 1 at 5.00 MiB, needs 6.00 MiB (reserved + "
+        "non-PyTorch memory), 76,287.95 MiB to spare.")
 
 
 @pytest.mark.parametrize("text", ["-1", "-1GiB", "0", "0.5"])
@@ -745,11 +748,11 @@ TINY_FLAGS = ["estimate", "--model", "deepseek-tiny", "--world-size", "2", "--pp
     # a value with a minus sign reaches the Job (argparse said "expected one argument")
     (["--hbm", "-80GiB"], "--hbm '-80GiB' is invalid; give a positive size of whole bytes "
                           "such as 80GiB (binary: KiB, MiB, GiB, TiB), 80GB (decimal: kB, MB, "
-                          "GB, TB) or a number of bytes"),
+                          "GB, TB) or a byte count of 1 MiB or more"),
     (["--non-pytorch-memory", "-1MiB"], "--non-pytorch-memory '-1MiB' is invalid; give a size "
-                                        "of whole bytes such as 80GiB (binary: KiB, MiB, GiB, "
-                                        "TiB), 80GB (decimal: kB, MB, GB, TB) or a number of "
-                                        "bytes"),
+                                        "of whole bytes such as 512MiB (binary: KiB, MiB, GiB, "
+                                        "TiB), 512MB (decimal: kB, MB, GB, TB) or a byte count "
+                                        "of 1 MiB or more"),
     # a small number without a unit is refused here as for --hbm (512 B of overhead is a slip)
     (["--non-pytorch-memory", "512"], "--non-pytorch-memory '512' is 512 bytes; give a unit, "
                                       "such as 512MB (decimal) or 512MiB (binary)"),
@@ -791,7 +794,7 @@ def test_dualpipe_names_the_model_chunk_of_its_step_and_the_chunks_a_rank_holds(
     assert legend == (
         "at step: the schedule step running at the peak, model chunk + kind + microbatch: "
         "0B0 = model chunk 0, backward, microbatch 0 (F = forward, B = backward); under "
-        "dualpipe each rank holds 2 model chunks (stage 0: chunks 0 and 3).")
+        "dualpipe each rank holds 2 model chunks, stage s chunks s and 3 - s.")
 
 
 def test_the_flags_door_names_the_approximations_the_megatron_door_does(capsys, tmp_path):
@@ -807,8 +810,55 @@ def test_the_flags_door_names_the_approximations_the_megatron_door_does(capsys, 
                  f"@{path}"]) == 0
     theirs = capsys.readouterr().out
 
-    def notes(text):
-        return [line for line in text.splitlines() if line.startswith("- --")]
+    def notes(text):  # the items below the first line, continuation lines included
+        lines = text.splitlines()[1:]
+        return lines[:next(i for i, line in enumerate(lines) if not line.startswith(("- ", "  ")))]
 
     assert notes(mine) == notes(theirs) and notes(mine)
-    assert mine.splitlines()[0].startswith("Approximated (this job as Megatron-LM arguments")
+    assert mine.splitlines()[0] == ("Approximated (what Megatron-LM does in this job, by its "
+                                    "defaults, that tracemem does not trace):")
+    # wrapped within 100 columns; the "--no-" flags not given say Megatron's default holds
+    assert max(len(line) for line in notes(mine)) <= 100
+    assert "- without --no-rope-fusion (Megatron's default): TE's fused RoPE saves less" in mine
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--hbm", "80Gb"], "--hbm '80Gb': Gb reads as G-bits; give 80GB (decimal bytes) or 80GiB "
+                        "(binary)"),
+    (["--gpu", "H100", "--cublas-workspace-config", "16:8"],
+     "--cublas-workspace-config '16:8' is invalid; give :SIZE:COUNT (SIZE in KiB), one or "
+     "more, such as :4096:8 (Megatron-LM's deterministic runs) or :4096:2:16:8"),
+    # 999,999,999 KiB x 8 = 8,191,999,991,808 B
+    (["--gpu", "H100", "--cublas-workspace-config", ":999999999:8"],
+     "--cublas-workspace-config :999999999:8 is 8,191,999,991,808 B a cuBLAS handle, more "
+     "than 1 TiB; no GPU holds that"),
+    (["--print-megatron-args"],  # megatron-te's default cross entropy, by its flag
+     "--cross-entropy-fusion te (megatron-te's default) has no Megatron-LM argument "
+     "(Megatron-LM refuses --cross-entropy-fusion-impl te: validate_args); give "
+     "--cross-entropy-fusion native or none to print the job"),
+])
+def test_the_second_trials_inputs_get_one_line_errors(capsys, extra, message):
+    assert main(TINY_FLAGS + extra) == 2
+    assert capsys.readouterr().err == f"tracemem: error: {message}\n"
+
+
+def test_params_checks_a_world_size_and_megatron_typos_get_close_suggestions_only(capsys):
+    assert main(["params", "--model", "deepseek-tiny", "--world-size", "-3"]) == 2
+    assert capsys.readouterr().err == "tracemem: error: --world-size -3 must be a positive integer\n"
+    assert main(["estimate", "--world-size", "4", "--megatron-args", "--num-layers", "2",
+                 "--bogus-arg", "3"]) == 2
+    assert "did you mean" not in capsys.readouterr().err
+
+
+def test_letter_case_in_fit_lists_and_the_optimizer(capsys):
+    from tracemem.fit import search_space
+    space = search_space(recompute="FULL,None", schedule="1F1B", sp="ON")
+    assert (space.recompute, space.schedule, space.sp) == (("full", "none"), ("1f1b",), (True,))
+    assert main(TINY_FLAGS + ["--quiet", "--json", "--optimizer", "FUSED"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["optimizer"] == "fused"
+
+
+def test_a_job_megatron_cannot_state_says_why_no_approximations_are_listed(capsys):
+    assert main(TINY_FLAGS + ["--quiet", "--schedule", "gpipe"]) == 0
+    first = capsys.readouterr().out.splitlines()[:2]
+    assert first[1].startswith("- not listed: Megatron-LM cannot run this job as given (")

@@ -879,13 +879,20 @@ def following_changes(argv, kwargs: Mapping[str, Any], changes: Mapping[str, Any
 
 def megatron_approximations(argv, *, env: Mapping[str, str] | None = None) -> list[str]:
     """The approximations (``megatron_tables``' "approximation:" entries) that apply to this
-    job, one line each ("--flag: what is not traced"), for a front end to print beside the
-    estimate."""
+    job, one line each ("--flag: what is not traced"; "without --no-flag (Megatron's
+    default): ..." where the job keeps Megatron's default behaviour), for a front end to print
+    beside the estimate."""
     from tracemem.frontdoors.megatron_tables import HONOURED
 
     argv = expand_megatron_args(argv)
     ns, _ = parse_with_given(argv)
-    notes = [f"{flag}: {HONOURED[flag].split('approximation: ', 1)[1]}"
+    typed = {token.split("=", 1)[0] for token in argv}
+
+    def named(flag: str) -> str:  # a "--no-..." flag not typed: Megatron's default behaviour
+        return (f"without {flag} (Megatron's default)"
+                if flag.startswith("--no-") and flag not in typed else flag)
+
+    notes = [f"{named(flag)}: {HONOURED[flag].split('approximation: ', 1)[1]}"
              for flag, applies in APPROXIMATIONS_WHEN.items() if applies(ns)]
     for name in (env or {}):
         if ENV_HONOURED.get(name, "").startswith("approximation: "):
@@ -1143,9 +1150,10 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
         if fusion == "native":
             out += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]
         elif fusion != "none":
-            _no(f"kernel_options cross_entropy_fusion {fusion!r} (Megatron-LM refuses "
-                f"--cross-entropy-fusion-impl te: validate_args; megatron-te's default: give "
-                f"--cross-entropy-fusion native or none to print the job)")
+            raise TracememError(
+                f"--cross-entropy-fusion {fusion} (megatron-te's default) has no Megatron-LM "
+                f"argument (Megatron-LM refuses --cross-entropy-fusion-impl te: validate_args); "
+                f"give --cross-entropy-fusion native or none to print the job")
         if options.get("moe_shared_expert_overlap") and moe and cfg.shared_experts_width:
             out += ["--moe-shared-expert-overlap"]
         if moe:

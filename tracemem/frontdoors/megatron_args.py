@@ -176,7 +176,8 @@ def _check_known(argv: list[str]) -> None:
             continue  # a value, a negative number
         flag = token.split("=", 1)[0]
         if flag not in known:
-            close = difflib.get_close_matches(flag, _option_strings(), n=1, cutoff=0.6)
+            # 0.8, as tracemem's own flags (cli._check_flag_names): a typo, not a guess
+            close = difflib.get_close_matches(flag, _option_strings(), n=1, cutoff=0.8)
             raise TracememError(f"unknown Megatron-LM argument {flag} (not in "
                                 f"megatron/training/arguments.py at {PIN[:7]})"
                                 + (f"; did you mean {close[0]}?" if close else ""))

@@ -845,8 +845,11 @@ def test_the_approximations_of_a_job_are_listed():
     argv, env = megatron_args_from_yaml(DATA / "mla_moe_mtp_memory_speed.yaml")
     notes = megatron_approximations(argv, env=env)
     assert [note.split(":", 1)[0] for note in notes] == [
-        "--no-overlap-p2p-communication", "--overlap-grad-reduce", "--overlap-param-gather",
-        "--no-create-attention-mask-in-dataloader", "--moe-router-load-balancing-type",
+        # the "--no-" flags not typed: Megatron's default behaviour, said so
+        "without --no-overlap-p2p-communication (Megatron's default)", "--overlap-grad-reduce",
+        "--overlap-param-gather",
+        "without --no-create-attention-mask-in-dataloader (Megatron's default)",
+        "--moe-router-load-balancing-type",
         "--log-num-zeros-in-grad", "NVTE_ALLOW_NONDETERMINISTIC_ALGO"]
     assert megatron_approximations(_tiny("--no-create-attention-mask-in-dataloader")) == []
 
