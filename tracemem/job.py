@@ -590,6 +590,7 @@ class Job:
         put(self, "profile", get_profile(self.kernels, gpu_arch=GPUS.get(self.gpu), **options))
         put(self, "kernel_options", dict(self.kernel_options or {}))
         _check_op_recompute(self, par)
+        _check_fp8_moe_act_cache(self)
         check_optimizer(self.optimizer, par)
         offload = OptimizerOffload(self.optimizer_offload_fraction, self.pin_cpu_grads,
                                    self.pin_cpu_params) if self.optimizer_cpu_offload else None
@@ -778,6 +779,24 @@ def check_fields(given: Mapping[str, Any]) -> None:
         raise TracememError(f"unknown job keyword {name!r}"
                             + (f"; did you mean {close[0]!r}?" if close else
                                f"; valid: {', '.join(valid)}"))
+
+
+def _check_fp8_moe_act_cache(job) -> None:
+    """The megatron-te option ``fp8_moe_act_cache`` (DeepSeek-V3's FP8 cache of the routed
+    experts' SwiGLU input) changes what ``moe_act``'s checkpoint keeps under FP8, so it needs
+    both; alone it would do nothing.
+
+    Raises:
+        TracememError: set without an FP8 recipe or without ``--recompute-modules moe_act``.
+    """
+    if not job.profile.options.get("fp8_moe_act_cache"):
+        return
+    if job.profile.fp8_recipe == "none":
+        raise TracememError("kernel option fp8_moe_act_cache (DeepSeek-V3's FP8 cache of the "
+                            "SwiGLU input) needs FP8: give --fp8-format (and --fp8-recipe)")
+    if job.recompute != "selective" or "moe_act" not in job.recompute_modules:
+        raise TracememError("kernel option fp8_moe_act_cache caches moe_act's input in FP8: "
+                            "give --recompute selective --recompute-modules moe_act")
 
 
 def _check_op_recompute(job, par) -> None:

@@ -61,12 +61,15 @@ _DEEPSEEK_V3 = (
     ("precision", "deepseek-v3", f"{_V3} 3.3.3: BF16 AdamW moments, FP32 master weights and "
                                  f"gradients (tracemem/precision.py PRECISION_RECIPES)"),
     ("recompute", "selective", f"{_V3} 3.2.3: recomputation of RMSNorm and MLA up-projection"),
-    ("recompute_modules", ("layernorm", "mla_up_proj"),
-     f"{_V3} 3.2.3: all RMSNorm operations and MLA up-projections recomputed in backward"),
+    ("recompute_modules", ("layernorm", "mla_up_proj", "moe_act"),
+     f"{_V3} 3.2.3: all RMSNorm operations and MLA up-projections recomputed in backward; "
+     f"3.3.3: the SwiGLU's output recomputed in backward (moe_act, the routed experts')"),
     ("kernels", "megatron-te", "the profile that runs FP8 (modeling/kernels/fp8.py)"),
-    ("kernel_options", {"fp8_recipe": "blockwise", "fp8_format": "e4m3"},
+    ("kernel_options", {"fp8_recipe": "blockwise", "fp8_format": "e4m3",
+                        "fp8_moe_act_cache": True},
      f"{_V3} 3.3.1-3.3.2: FP8 GEMMs with 1x128 activation tiles and 128x128 weight blocks "
-     f"(TE Float8BlockScaling), E4M3 on all tensors"),
+     f"(TE Float8BlockScaling), E4M3 on all tensors; 3.3.3: the SwiGLU's input cached in "
+     f"FP8 (fp8_moe_act_cache)"),
     ("seq_length", 4096, f"{_V3} 4.2: maximum sequence length 4K in pre-training"),
     ("global_batch_size", 15360, f"{_V3} 4.2: batch size ramped to 15360 (the value it holds)"),
     ("micro_batch_size", 1, "assumption: the paper gives no micro-batch size"),
@@ -93,8 +96,9 @@ RECIPES = {
         approximations=(
             "E5M6 input of the linear after attention (3.3.3): traced as TE blockwise FP8 "
             "(1 B a value), not a 12-bit format",
-            "SwiGLU inputs cached in FP8, outputs recomputed in backward (3.3.3): traced as "
-            "the megatron-te profile's SwiGLU saves",
+            "SwiGLU inputs cached in FP8, outputs recomputed in backward (3.3.3): traced for "
+            "the routed experts (fp8_moe_act_cache); the shared expert's and the dense "
+            "layers' SwiGLU keep Megatron's bf16 input",
             "FP8 dispatch with BF16 combine (3.3.3): the all-to-all buffers traced in bf16",
         )),
 }

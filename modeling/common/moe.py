@@ -104,7 +104,9 @@ def _megatron_experts(k: KernelProfile, x: Tensor, probs: Tensor, fc1: list[Tens
     which quantise each expert apart, and rows not aligned per expert are padded first
     (``TEGroupedMLP.forward``: ``quantization_padding``, ``k.fp8_pad``) and the output
     unpadded last; with ``recompute_act`` fc2 keeps its bf16 input
-    (``set_save_original_input(self.linear_fc2)``)."""
+    (``set_save_original_input(self.linear_fc2)``). With the megatron-te option
+    ``fp8_moe_act_cache`` (DeepSeek-V3's scheme, not Megatron's) the checkpoint keeps fc1's
+    output as an FP8 cache instead of bf16 (``_fp8_cache``), dequantised for the recompute."""
     inter, h = fc2[0].shape[-1], fc2[0].shape[-2]
     fp8 = getattr(k, "fp8_recipe", "none") != "none" and counts is not None
     extra = {"counts": counts} if fp8 else {}
@@ -114,7 +116,15 @@ def _megatron_experts(k: KernelProfile, x: Tensor, probs: Tensor, fc1: list[Tens
         if padded != list(counts):
             unpad, extra = counts, {"counts": padded}
     hidden = k.grouped_linear(x, fc1, (2 if gated else 1) * inter, **extra)
-    if recompute_act:
+    if recompute_act and fp8 and k.options.get("fp8_moe_act_cache"):
+        ckpt = CheckpointWithoutOutput()
+        run = _FP8CachedActivation(k, gated, activation)
+        act = ckpt.checkpoint(run, hidden, probs)
+        run.cache_and_drop(hidden)  # the FP8 cache made, fc1's bf16 output freed
+        del hidden
+        out = k.grouped_linear(act, fc2, h, **extra, save_original_input=True)
+        ckpt.discard_output_and_register_recompute(out)
+    elif recompute_act:
         ckpt = CheckpointWithoutOutput()
         act = ckpt.checkpoint(lambda y, p: _weighted_activation(k, y, p, gated, activation),
                               hidden, probs)
@@ -126,6 +136,67 @@ def _megatron_experts(k: KernelProfile, x: Tensor, probs: Tensor, fc1: list[Tens
         out = k.grouped_linear(_weighted_activation(k, hidden, probs, gated, activation), fc2,
                                h, **extra)
     return out if unpad is None else k.fp8_unpad(out, unpad)
+
+
+def _fp8_cache(k: KernelProfile, hidden: Tensor):
+    """DeepSeek-V3's FP8 cache of the SwiGLU input (arXiv 2412.19437 3.3.3: "we cache the
+    inputs of the SwiGLU operator and recompute its output in the backward pass. These
+    activations are also stored in FP8 with our fine-grained quantization method"; 3.3.2:
+    1x128 tiles, a scaling factor per tile): ``hidden`` ``(rows, 2f)`` quantised row-wise by
+    the job's FP8 recipe (``fp8.quantize``, role "input": under blockwise the uint8 data and
+    one fp32 scale per 1x128 tile, TE ``Float8BlockQuantizer``'s layout)."""
+    from modeling.kernels import fp8
+
+    return fp8.quantize(hidden, k.fp8_recipe, k.options["fp8_arch"], rowwise=True,
+                        columnwise=False)
+
+
+class _Dequantized(torch.autograd.Function):
+    """The dequantised SwiGLU input of the recompute: a new bf16 tensor of the dropped input's
+    shape (``placeholder``, 0 bytes, kept by the checkpoint so the gradient reaches fc1), made
+    from the FP8 cache; the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, placeholder: Tensor, *cache: Tensor) -> Tensor:
+        ctx.num_cache = len(cache)
+        return placeholder.new_empty(placeholder.shape)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (grad, *[None] * ctx.num_cache)
+
+
+class _FP8CachedActivation:
+    """The run function of the checkpointed activation under ``fp8_moe_act_cache``: in
+    forward the weighted activation of fc1's bf16 output; ``cache_and_drop`` then makes the FP8
+    cache (``_fp8_cache``) and frees the bf16 output's storage (the checkpoint keeps the tensor,
+    0 bytes, as ``CheckpointWithoutOutput`` does with its outputs); the recompute in backward
+    runs on the input dequantised from the cache (``_Dequantized``), and the cache dies with
+    this function once the checkpoint has recomputed."""
+
+    def __init__(self, k: KernelProfile, gated: bool, activation: str) -> None:
+        self.k, self.gated, self.activation = k, gated, activation
+        self.cache: list[Tensor] | None = None
+
+    def __call__(self, y: Tensor, probs: Tensor) -> Tensor:
+        if self.cache is not None:  # the recompute
+            y = _Dequantized.apply(y, *self.cache)
+        return _weighted_activation(self.k, y, probs, self.gated, self.activation)
+
+    def cache_and_drop(self, hidden: Tensor) -> None:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        from modeling.common.checkpoint import _tell_tracer
+        from tracemem.categories import Category
+        from tracemem.tracer import MemoryTracer
+
+        self.cache = _fp8_cache(self.k, hidden).tensors
+        mode = _get_current_dispatch_mode()
+        if isinstance(mode, MemoryTracer):  # kept for backward, as a saved tensor would be
+            for t in self.cache:
+                mode.tag(t, Category.ACTIVATION)
+        hidden.untyped_storage().resize_(0)
+        _tell_tracer((hidden,))
 
 
 def _weighted_activation(k: KernelProfile, hidden: Tensor, probs: Tensor, gated: bool,

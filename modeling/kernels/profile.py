@@ -97,6 +97,13 @@ MEGATRON_TE_OPTIONS = {
     "fp8_layers_at_end_in_bf16": (range(0, 1 << 20), 0,
                                   "with --num-layers-at-end-in-bf16: the last layers run "
                                   "without FP8"),
+    # DeepSeek-V3's own scheme (not a Megatron-LM flag): --recipe deepseek-v3
+    "fp8_moe_act_cache": ((False, True), False,
+                          "DeepSeek-V3 (arXiv 2412.19437 3.3.3, 'Low-Precision Storage'): with "
+                          "--recompute-modules moe_act under FP8, the routed experts' SwiGLU "
+                          "input (fc1's output) is cached in FP8, 1x128 tiles with fp32 "
+                          "scales, instead of bf16, and dequantised to recompute the SwiGLU in "
+                          "backward (modeling.common.moe._megatron_experts)"),
 }
 
 

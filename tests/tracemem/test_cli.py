@@ -73,10 +73,10 @@ def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
      "--world-size -4 must be a positive integer"),
     ("--world-size 4 --hbm 80XB --seq-length 64",
      "--hbm '80XB' is invalid; give a positive size of whole bytes such as 80GiB (binary: KiB, "
-     "MiB, GiB, TiB), 80GB (decimal: kB, MB, GB, TB) or a number of bytes"),
+     "MiB, GiB, TiB), 80GB (decimal: kB, MB, GB, TB) or a byte count of 1 MiB or more"),
     ("--world-size 4 --hbm 80XB --micro-batch-size 1 --seq-length 64",  # no M either
      "--hbm '80XB' is invalid; give a positive size of whole bytes such as 80GiB (binary: KiB, "
-     "MiB, GiB, TiB), 80GB (decimal: kB, MB, GB, TB) or a number of bytes"),
+     "MiB, GiB, TiB), 80GB (decimal: kB, MB, GB, TB) or a byte count of 1 MiB or more"),
     ("--world-size 4 --tp 2 --sp --seq-length 63",  # b missing; s given, and invalid
      "--seq-length 63 must be a multiple of cp * sp = 2 (the sequence is split across them)"),
     # every given value valid: the missing ones, b first, then s, then the batch

@@ -15,8 +15,10 @@ def test_deepseek_v3_fields_are_the_papers():
     assert f["ep"] == 64 and f["tp"] == 1  # 3.2: EP 64 over 8 nodes; no TP
     assert f["zero"] == 1  # 3.2: ZeRO-1
     assert f["recompute"] == "selective"  # 3.2.3
-    assert f["recompute_modules"] == ("layernorm", "mla_up_proj")  # 3.2.3
+    # 3.2.3 (RMSNorm, MLA up-projection); 3.3.3 (the SwiGLU's output recomputed)
+    assert f["recompute_modules"] == ("layernorm", "mla_up_proj", "moe_act")
     assert f["kernel_options"]["fp8_recipe"] == "blockwise"  # 3.3: 1x128 / 128x128
+    assert f["kernel_options"]["fp8_moe_act_cache"] is True  # 3.3.3: its input in FP8
     assert f["precision"] == "deepseek-v3"  # 3.3.3: bf16 moments, fp32 master + grads
     assert f["seq_length"] == 4096 and f["global_batch_size"] == 15360  # 4.2
     assert f["ema"] == "host"  # 3.2.3: EMA in CPU

@@ -1147,6 +1147,9 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
         options.update(f.get("kernel_options") or {})
         out = []
         fusion = options.get("cross_entropy_fusion", "none")
+        if options.get("fp8_moe_act_cache"):
+            _no("kernel option fp8_moe_act_cache (DeepSeek-V3's FP8 cache of the SwiGLU "
+                "input, arXiv 2412.19437 3.3.3)")
         if fusion == "native":
             out += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]
         elif fusion != "none":
