@@ -94,8 +94,10 @@ RECIPES = {
             "routing balanced: the auxiliary-loss-free balancing of section 2.1.2",
         ),
         approximations=(
-            "E5M6 input of the linear after attention (3.3.3): traced as TE blockwise FP8 "
-            "(1 B a value), not a 12-bit format",
+            "E5M6 input of the linear after attention (3.3.3): traced as Megatron keeps "
+            "linear_proj's input under blockwise, in bf16 (set_save_original_input, 2 B a "
+            "value: the 16-bit container a 12-bit value takes, assumed); the 1x128 scales of "
+            "an E5M6 tensor (4 B per 128 values) are not traced",
             "SwiGLU inputs cached in FP8, outputs recomputed in backward (3.3.3): traced for "
             "the routed experts (fp8_moe_act_cache); the shared expert's and the dense "
             "layers' SwiGLU keep Megatron's bf16 input",
