@@ -309,6 +309,12 @@ class ParallelConfig:
             raise TracememError(
                 f"ParallelConfig.create: unknown keyword {unknown[0]!r}; valid: world_size, "
                 f"{', '.join(valid)}, pp_layout, pp_first_stage_layers, pp_last_stage_layers")
+        tp = degrees.get("tp", 1)
+        heads = getattr(model_cfg, "num_attention_heads", None)
+        if type(tp) is int and tp > 0 and type(heads) is int and heads % tp:
+            # before the world size's multiples: no world size makes this TP valid
+            raise TracememError(f"--tp {tp} must divide num_attention_heads ({heads}); "
+                                f"try {divisors_hint(heads)}")
         probe = cls(world_size=world_size, **degrees)  # degree checks first
         if account_for_embedding_in_pipeline_split or account_for_loss_in_pipeline_split:
             layout = _accounted_layout(

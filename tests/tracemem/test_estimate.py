@@ -144,7 +144,7 @@ def _v3_argv(**overrides):
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(model="deepseek-v4"), "--model 'deepseek-v4' is neither a preset"),
-    (dict(tp="3"), "is not a multiple of tp(3)"),
+    (dict(tp="3"), "--tp 3 must divide num_attention_heads (128)"),  # before the world size
     (dict(tp="1"), "--sp needs --tp > 1"),
     (dict(micro_batch_size="-1"), "--micro-batch-size -1 must be a positive integer"),
     (dict(schedule="interleaved-1f1b", vpp="2", num_microbatches="6", pp_first_stage_layers=False,

@@ -862,3 +862,11 @@ def test_a_job_megatron_cannot_state_says_why_no_approximations_are_listed(capsy
     assert main(TINY_FLAGS + ["--quiet", "--schedule", "gpipe"]) == 0
     first = capsys.readouterr().out.splitlines()[:2]
     assert first[1].startswith("- not listed: Megatron-LM cannot run this job as given (")
+
+
+def test_a_tp_no_world_size_makes_valid_is_said_first(capsys):
+    # deepseek-tiny has 4 heads: TP 3 is invalid at any world size, so the heads are named,
+    # not the world sizes that TP 3 would divide
+    assert main(["estimate", "--model", "deepseek-tiny", "--world-size", "4", "--tp", "3"]) == 2
+    assert capsys.readouterr().err == ("tracemem: error: --tp 3 must divide "
+                                       "num_attention_heads (4); try 1, 2, 4\n")

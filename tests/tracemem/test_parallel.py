@@ -62,9 +62,13 @@ def test_tp_must_divide_the_vocabulary_under_the_paper_plan_and_the_hidden_size(
 
 
 @pytest.mark.parametrize("kwargs, message", [
+    # 1000 / (8 x 16) = 7.8: the nearest multiples of 128 are 896 and 1024
+    (dict(world_size=1000, tp=8, pp=16, ep=8, pp_layout=(4,) * 15 + (1,)),
+     r"--world-size 1000 is not a multiple of tp\(8\) \* cp\(1\) \* pp\(16\) = 128; DP would "
+     r"not be an integer; try 896 or 1024"),
+    # a TP that divides no head count is said before the world size (no world size helps)
     (dict(world_size=1024, tp=3, pp=16, ep=8, pp_layout=(4,) * 15 + (1,)),
-     r"--world-size 1024 is not a multiple of tp\(3\) \* cp\(1\) \* pp\(16\) = 48; DP would "
-     r"not be an integer; try 1008 or 1056"),
+     r"--tp 3 must divide num_attention_heads \(128\); try 1, 2, 4, 8"),
     (dict(world_size=96, tp=3, pp=16, ep=2, pp_layout=(4,) * 15 + (1,)),
      r"--tp 3 must divide num_attention_heads \(128\); try 1, 2, 4, 8"),
     (dict(world_size=1008, tp=1, pp=16, ep=7, pp_layout=(4,) * 15 + (1,)),
