@@ -1036,6 +1036,11 @@ def job_from_args(args: argparse.Namespace):
         return recipe_job(args.recipe, **_explicit(_flag_fields(args), args))
     if args.world_size is None:
         raise TracememError("give --world-size (the number of GPUs), or a --recipe")
+    if getattr(args, "cublas_workspace_config", None) is not None \
+            and getattr(args, "gpu", None) is None:
+        # the workspaces below the dispatcher are counted for a named GPU only
+        raise TracememError("--cublas-workspace-config sizes PyTorch's cuBLAS workspaces, "
+                            "which are counted with --gpu only: give --gpu (e.g. H100)")
     job = _megatron_job(args)
     if job is not None:
         return job

@@ -832,6 +832,9 @@ def test_the_flags_door_names_the_approximations_the_megatron_door_does(capsys, 
     (["--gpu", "H100", "--cublas-workspace-config", ":999999999:8"],
      "--cublas-workspace-config :999999999:8 is 8,191,999,991,808 B a cuBLAS handle, more "
      "than 1 TiB; no GPU holds that"),
+    (["--cublas-workspace-config", ":4096:8"],  # no --gpu: it would change nothing
+     "--cublas-workspace-config sizes PyTorch's cuBLAS workspaces, which are counted with "
+     "--gpu only: give --gpu (e.g. H100)"),
     (["--print-megatron-args"],  # megatron-te's default cross entropy, by its flag
      "--cross-entropy-fusion te (megatron-te's default) has no Megatron-LM argument "
      "(Megatron-LM refuses --cross-entropy-fusion-impl te: validate_args); give "
