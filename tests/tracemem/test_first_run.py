@@ -761,6 +761,23 @@ TINY_FLAGS = ["estimate", "--model", "deepseek-tiny", "--world-size", "2", "--pp
     # CUDA's caching allocator rounds to 512 B (kMinBlockSize); no allocator to 500
     (["--rounding", "500"], "--rounding 500 is not a power of two; allocators round to one "
                             "(the CUDA caching allocator: 512), or give 0 for exact bytes"),
+    # the second trial's
+    (["--hbm", "80Gb"], "--hbm '80Gb': Gb reads as G-bits; give 80GB (decimal bytes) or 80GiB "
+                        "(binary)"),
+    (["--gpu", "H100", "--cublas-workspace-config", "16:8"],
+     "--cublas-workspace-config '16:8' is invalid; give :SIZE:COUNT (SIZE in KiB), one or "
+     "more, such as :4096:8 (Megatron-LM's deterministic runs) or :4096:2:16:8"),
+    # 999,999,999 KiB x 8 = 8,191,999,991,808 B
+    (["--gpu", "H100", "--cublas-workspace-config", ":999999999:8"],
+     "--cublas-workspace-config :999999999:8 is 8,191,999,991,808 B a cuBLAS handle, more "
+     "than 1 TiB; no GPU holds that"),
+    (["--cublas-workspace-config", ":4096:8"],  # no --gpu: it would change nothing
+     "--cublas-workspace-config sizes PyTorch's cuBLAS workspaces, which are counted with "
+     "--gpu only: give --gpu (e.g. H100)"),
+    (["--print-megatron-args"],  # megatron-te's default cross entropy, by its flag
+     "--cross-entropy-fusion te (megatron-te's default) has no Megatron-LM argument "
+     "(Megatron-LM refuses --cross-entropy-fusion-impl te: validate_args); give "
+     "--cross-entropy-fusion native or none to print the job"),
 ])
 def test_the_last_trials_inputs_get_one_line_errors(capsys, extra, message):
     assert main(TINY_FLAGS + extra) == 2
@@ -820,29 +837,6 @@ def test_the_flags_door_names_the_approximations_the_megatron_door_does(capsys, 
     # wrapped within 100 columns; the "--no-" flags not given say Megatron's default holds
     assert max(len(line) for line in notes(mine)) <= 100
     assert "- without --no-rope-fusion (Megatron's default): TE's fused RoPE saves less" in mine
-
-
-@pytest.mark.parametrize("extra, message", [
-    (["--hbm", "80Gb"], "--hbm '80Gb': Gb reads as G-bits; give 80GB (decimal bytes) or 80GiB "
-                        "(binary)"),
-    (["--gpu", "H100", "--cublas-workspace-config", "16:8"],
-     "--cublas-workspace-config '16:8' is invalid; give :SIZE:COUNT (SIZE in KiB), one or "
-     "more, such as :4096:8 (Megatron-LM's deterministic runs) or :4096:2:16:8"),
-    # 999,999,999 KiB x 8 = 8,191,999,991,808 B
-    (["--gpu", "H100", "--cublas-workspace-config", ":999999999:8"],
-     "--cublas-workspace-config :999999999:8 is 8,191,999,991,808 B a cuBLAS handle, more "
-     "than 1 TiB; no GPU holds that"),
-    (["--cublas-workspace-config", ":4096:8"],  # no --gpu: it would change nothing
-     "--cublas-workspace-config sizes PyTorch's cuBLAS workspaces, which are counted with "
-     "--gpu only: give --gpu (e.g. H100)"),
-    (["--print-megatron-args"],  # megatron-te's default cross entropy, by its flag
-     "--cross-entropy-fusion te (megatron-te's default) has no Megatron-LM argument "
-     "(Megatron-LM refuses --cross-entropy-fusion-impl te: validate_args); give "
-     "--cross-entropy-fusion native or none to print the job"),
-])
-def test_the_second_trials_inputs_get_one_line_errors(capsys, extra, message):
-    assert main(TINY_FLAGS + extra) == 2
-    assert capsys.readouterr().err == f"tracemem: error: {message}\n"
 
 
 def test_params_checks_a_world_size_and_megatron_typos_get_close_suggestions_only(capsys):
