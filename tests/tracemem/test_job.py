@@ -42,7 +42,9 @@ def test_microbatches_from_the_global_batch():
     ({"global_batch_size": 8, "num_microbatches": 3},
      r"--num-microbatches 3 disagrees with --global-batch-size 8 / \(--micro-batch-size 1 x "
      r"DP 4\) = 2; give one"),
-    ({"num_microbatches": 1, "tp": 3}, r"--world-size 4 is not a multiple of tp\(3\)"),
+    ({"num_microbatches": 1, "tp": 3}, r"--tp 3 must divide num_attention_heads \(4\)"),
+    ({"num_microbatches": 1, "pp": 3}, r"--world-size 4 is not a multiple of tp\(1\) \* "
+                                       r"cp\(1\) \* pp\(3\) = 3"),
     ({"num_microbatches": 1, "recompute": "some"}, r"--recompute 'some' is invalid"),
     # Megatron-Core's own refusal, with its reason (moe_layer.py MoELayer.forward)
     ({"num_microbatches": 1, "tp": 2}, r"--tp > 1 on an MoE model needs --sp \(Megatron-Core "
@@ -66,7 +68,7 @@ def test_vocabulary_padded_as_megatron_pads_it():
 def test_a_changed_job_is_validated_again():
     job = Job(**TINY, num_microbatches=1)
     assert dataclasses.replace(job, recompute="full").recompute == "full"
-    with pytest.raises(TracememError, match=r"--world-size 4 is not a multiple of tp\(3\)"):
+    with pytest.raises(TracememError, match=r"--tp 3 must divide num_attention_heads \(4\)"):
         dataclasses.replace(job, tp=3)
     with pytest.raises(TracememError, match=r"unknown job keyword 'recompte'; did you mean "
                                             r"'recompute'\?"):
