@@ -395,13 +395,11 @@ class _FoldCase:
     letter for letter, case aside (``1F1B`` -> ``1f1b``, ``gib`` -> ``GiB``); any other value
     is returned as typed, for argparse's own "invalid choice" message."""
 
-    def __init__(self, choices, then=None) -> None:
+    def __init__(self, choices) -> None:
         self.names = {str(c).lower(): c for c in choices}
-        self.then = then
 
     def __call__(self, text: str):
-        value = self.names.get(text.lower(), text)
-        return self.then(value) if self.then is not None else value
+        return self.names.get(text.lower(), text)
 
 
 def _fold_choice_case(parser: argparse.ArgumentParser) -> None:
@@ -1813,12 +1811,8 @@ def _attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> lis
     command = next((t for t in argv if not t.startswith("-")), None)
     if command not in sub.choices:
         return argv
-    takes_one = {opt for action in sub.choices[command]._actions
-                 if action.nargs is None and action.option_strings
-                 and not isinstance(action, (argparse._StoreConstAction,
-                                             argparse._StoreTrueAction,
-                                             argparse._StoreFalseAction))
-                 for opt in action.option_strings}
+    takes_one = {opt for action in sub.choices[command]._actions  # nargs 0: a switch
+                 if action.nargs is None for opt in action.option_strings}
     out: list[str] = []
     i = 0
     while i < len(argv):
