@@ -1108,7 +1108,7 @@ def _run_estimate(args: argparse.Namespace) -> str:
 
         return _megatron_lines(to_megatron_args(job))
     if getattr(args, "approximations", None) is None:  # tracemem's own flags
-        args.approximations = _flag_job_approximations(job)
+        args.approximations, args.approximations_unlisted = _flag_job_approximations(job)
         args.approximations_of = "flags"
     import time
 
@@ -1134,6 +1134,8 @@ def _run_estimate(args: argparse.Namespace) -> str:
         data = get_estimate(result, fits)
         # what tracemem approximates of the job (the text output's "Approximated" lines)
         data["approximations"] = list(getattr(args, "approximations", None) or [])
+        # why none are listed, where Megatron-LM cannot state the job (else null)
+        data["approximations_not_listed"] = getattr(args, "approximations_unlisted", None)
         return json.dumps(data, indent=2)
     return format_estimate(result, units=args.units, fits=fits, wide=args.wide,
                            hbm_from_gpu=hbm_source)
@@ -1164,28 +1166,28 @@ def _say_written(args: argparse.Namespace, since: float) -> None:
             print(f"tracemem: wrote the plot to {args.plot}", file=sys.stderr)
 
 
-def _flag_job_approximations(job) -> list[str]:
+def _flag_job_approximations(job) -> tuple[list[str], str | None]:
     """What the Megatron-LM door would say tracemem approximates of a job given by tracemem's
     own flags: ``megatron_approximations`` of the job's Megatron-LM arguments
     (``to_megatron_args``, what ``--print-megatron-args`` prints), so the two doors print the
-    same notes for the same job (issue 26). Only for megatron-te, the profile that emulates
-    Megatron-Core; [] for a job Megatron-LM cannot state."""
+    same notes for the same job (issue 26), and None; for a job Megatron-LM cannot state, no
+    notes and the reason. Only for megatron-te, the profile that emulates Megatron-Core."""
     from tracemem.frontdoors import to_megatron_args
     from tracemem.frontdoors.megatron import megatron_approximations
 
     if job.profile.name != "megatron-te":
-        return []
+        return [], None
     if job.recipe is not None or job.replacements:  # the recipe names its own
-        return []  # (_override_note); the user's own layers are not a Megatron-LM job
+        return [], None  # (_override_note); the user's own layers are not a Megatron-LM job
     if job.profile.options.get("cross_entropy_fusion") == "te":
         # megatron-te's default TE cross entropy has no Megatron-LM argument; no note
         # (APPROXIMATIONS_WHEN) depends on the cross entropy, so state the job with native's
         job = job.with_changes(kernel_options={**dict(job.kernel_options or {}),
                                                "cross_entropy_fusion": "native"})
     try:
-        return megatron_approximations(to_megatron_args(job))
+        return megatron_approximations(to_megatron_args(job)), None
     except TracememError as error:  # a schedule or recipe with no Megatron-LM argument
-        return [f"not listed: Megatron-LM cannot run this job as given ({error})"]
+        return [], f"Megatron-LM cannot run this job as given ({error})"
 
 
 def _wrapped_notes(notes: Sequence[str]) -> list[str]:
@@ -1221,6 +1223,12 @@ def _override_note(args: argparse.Namespace) -> str:
         flags = ", ".join("--" + name.replace("_", "-") for name in args.overrides)
         lines.append(f"tracemem's flags override the {door} job's: {flags}")
     notes = getattr(args, "approximations", None)
+    unlisted = getattr(args, "approximations_unlisted", None)
+    if unlisted:
+        import textwrap
+
+        lines += textwrap.wrap(f"Approximated: none listed; {unlisted}", 100,
+                               subsequent_indent="  ", break_on_hyphens=False)
     if notes and getattr(args, "approximations_of", None) == "flags":
         lines.append("Approximated (what Megatron-LM does in this job, by its defaults, that "
                      "tracemem does not trace):")

@@ -253,8 +253,8 @@ def format_verdict(verdict: dict[str, Any], units: str = "GiB", hbm_given: str |
         spare = hbm - verdict["worst_needed_bytes"]
         every = f"all {n} {stage_word} fit" if n > 1 else "the pipeline stage fits"
         return (f"Verdict: {every} in {_hbm_label(hbm, units, hbm_given)}; "
-                f"{worst}, needs {_size_label(verdict['worst_needed_bytes'], units)} "
-                f"(reserved + non-PyTorch memory), {_size_label(spare, units)} to spare.")
+                f"{worst}; it needs {_size_label(verdict['worst_needed_bytes'], units)} "
+                f"(reserved + non-PyTorch memory): {_size_label(spare, units)} to spare.")
     listed = "stage" if len(over) == 1 else "stages"
     exceed = "exceeds" if len(over) == 1 else "exceed"
     return (f"Verdict: {len(over)} of {n} {stage_word} {exceed} "
@@ -460,7 +460,7 @@ def _allocator_legend(result, units: str, keys: Sequence[str] | None = None) -> 
                  f"context, --non-pytorch-memory) <= {_size_label(hbm, units)}")
         if keys is not None and "frag" not in keys:
             # the narrow table's column is "fits": the legend names the --hbm it judges
-            line += (f" (the rank fits "
+            line += (f" (yes: the rank fits in "
                      f"{_size_label(hbm, 'B' if units == 'B' else pick_units(hbm), True)})")
     return line + "."
 

@@ -157,8 +157,8 @@ def test_verdict_counts_the_stages_over_hbm(tiny):
     fits = estimate("deepseek-tiny", hbm="64MiB", **TINY)
     assert format_verdict(get_verdict(fits), "MiB") == (
         f"Verdict: all 2 pipeline stages fit in 64 MiB; the worst is stage 1 at "
-        f"{peak / 2**20:.2f} MiB, needs {needed / 2**20:.2f} MiB (reserved + non-PyTorch "
-        f"memory), {(64 * 2**20 - needed) / 2**20:.2f} MiB to spare.")
+        f"{peak / 2**20:.2f} MiB; it needs {needed / 2**20:.2f} MiB (reserved + "
+        f"non-PyTorch memory): {(64 * 2**20 - needed) / 2**20:.2f} MiB to spare.")
     assert format_verdict(get_verdict(tiny), "MiB").endswith(
         "give --hbm (e.g. 80GiB) to say whether it fits.")
 
@@ -281,8 +281,8 @@ def test_the_verdict_says_a_decimal_hbm_is_one():
     # 80e9 B / 2^30 = 74.5058 GiB; spare 80e9 - 2^31 = 77,852,516,352 B = 72.5058 GiB
     assert format_verdict(verdict, "GiB", "80GB") == (
         "Verdict: all 2 pipeline stages fit in --hbm 80GB (decimal units, 1 GB = 10^9 B; = "
-        "74.51 GiB); the worst is stage 0 at 1.00 GiB, needs 2.00 GiB (reserved + non-PyTorch "
-        "memory), 72.51 GiB to spare.")
+        "74.51 GiB); the worst is stage 0 at 1.00 GiB; it needs 2.00 GiB (reserved + non-PyTorch "
+        "memory): 72.51 GiB to spare.")
     binary = verdict | {"hbm_bytes": 80 * 2**30}
     assert "fit in 80 GiB;" in format_verdict(binary, "GiB", "80GiB")  # as before
 
@@ -597,13 +597,13 @@ def test_verdict_figures_are_in_the_tables_units():
     # 80 GiB = 81,920 MiB; spare 81,920 - 6 = 81,914 MiB
     assert format_verdict(verdict, "MiB", "80GiB") == (
         "Verdict: all 2 pipeline stages fit in 80 GiB (81,920 MiB); the worst is stage 1 at "
-        "5.00 MiB, needs 6.00 MiB (reserved + non-PyTorch memory), 81,914.00 MiB to spare.")
+        "5.00 MiB; it needs 6.00 MiB (reserved + non-PyTorch memory): 81,914.00 MiB to spare.")
     # 80 GB = 80e9 / 2^20 = 76,293.945 MiB; spare 76,293.95 - 6 = 76,287.95 MiB
     decimal = verdict | {"hbm_bytes": 80 * 10**9}
     assert format_verdict(decimal, "MiB", "80GB") == (
         "Verdict: all 2 pipeline stages fit in --hbm 80GB (decimal units, 1 GB = 10^9 B; = "
-        "76,293.95 MiB); the worst is stage 1 at 5.00 MiB, needs 6.00 MiB (reserved + "
-        "non-PyTorch memory), 76,287.95 MiB to spare.")
+        "76,293.95 MiB); the worst is stage 1 at 5.00 MiB; it needs 6.00 MiB (reserved + "
+        "non-PyTorch memory): 76,287.95 MiB to spare.")
 
 
 @pytest.mark.parametrize("text", ["-1", "-1GiB", "0", "0.5"])
@@ -841,7 +841,8 @@ def test_the_flags_door_names_the_approximations_the_megatron_door_does(capsys, 
 
 def test_params_checks_a_world_size_and_megatron_typos_get_close_suggestions_only(capsys):
     assert main(["params", "--model", "deepseek-tiny", "--world-size", "-3"]) == 2
-    assert capsys.readouterr().err == "tracemem: error: --world-size -3 must be a positive integer\n"
+    assert capsys.readouterr().err == ("tracemem: error: --world-size -3 must be a positive "
+                                       "integer\n")
     assert main(["estimate", "--world-size", "4", "--megatron-args", "--num-layers", "2",
                  "--bogus-arg", "3"]) == 2
     assert "did you mean" not in capsys.readouterr().err
@@ -857,8 +858,13 @@ def test_letter_case_in_fit_lists_and_the_optimizer(capsys):
 
 def test_a_job_megatron_cannot_state_says_why_no_approximations_are_listed(capsys):
     assert main(TINY_FLAGS + ["--quiet", "--schedule", "gpipe"]) == 0
-    first = capsys.readouterr().out.splitlines()[:2]
-    assert first[1].startswith("- not listed: Megatron-LM cannot run this job as given (")
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("Approximated: none listed; Megatron-LM cannot run this job as "
+                            "given (")
+    assert main(TINY_FLAGS + ["--quiet", "--schedule", "gpipe", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["approximations"] == [] and out["approximations_not_listed"].startswith(
+        "Megatron-LM cannot run this job as given (schedule 'gpipe'")
 
 
 def test_a_tp_no_world_size_makes_valid_is_said_first(capsys):
