@@ -193,7 +193,8 @@ HONOURED: dict[str, str] = {
     "--recompute-activations": "recompute 'selective' (validate_args)",
     "--no-rope-fusion": "Megatron-Core's unfused RoPE, which tracemem runs "
                         "(modeling/kernels/rope.py); without it approximation: TE's fused "
-                        "RoPE saves less",
+                        "RoPE saves less than the unfused RoPE traced, so the estimate is a "
+                        "little high",
     "--optimizer": "optimizer 'fused' for adam (TE / apex FusedAdam); the others refused",
     "--optimizer-cpu-offload": "optimizer_cpu_offload: Megatron-Core's HybridDeviceOptimizer "
                                "(optimizer/cpu_offloading/hybrid_optimizer.py; "
@@ -232,7 +233,9 @@ HONOURED: dict[str, str] = {
     "--num-virtual-stages-per-pipeline-rank": "vpp",
     "--no-overlap-p2p-communication": "approximation: tracemem's pipeline receive buffers "
                                       "are allocated at the step that uses them, with or "
-                                      "without the overlap (one (s, b, h) buffer earlier)",
+                                      "without the overlap, which posts the next receive a "
+                                      "step earlier: the estimate can be low by one (s, b, h) "
+                                      "buffer",
     "--overlap-grad-reduce": "approximation: the same buffers, reduced per bucket; each "
                              "bucket's padding to DP x 128 elements is not modelled",
     "--ddp-num-buckets": "approximation: bucket boundaries; their padding is not modelled",
@@ -264,7 +267,7 @@ HONOURED: dict[str, str] = {
                                                 "approximation: the dataloader's (b, 1, s, "
                                                 "s) bool mask (b x s^2 B on the first and "
                                                 "last stages, alive in each forward) is "
-                                                "not traced",
+                                                "not traced: the estimate is low by it",
     # _add_tokenizer_args
     "--vocab-size": "model vocab_size (before padding)",
     "--padded-vocab-size": "model vocab_size as given, make_vocab_size_divisible_by None",
