@@ -43,7 +43,7 @@ def test_v3_json_has_every_stage_and_stage_0_holds_16_microbatches(capsys):
 def test_v3_table_names_the_worst_rank(capsys):
     assert main(["estimate", *V3_ARGS, "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "fits 80 GiB" in out and "Worst rank: stage 1" in out
+    assert "fits in 80 GiB" in out and "Worst rank: stage 1" in out
 
 
 def test_full_recompute_drops_activations():
