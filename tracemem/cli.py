@@ -1782,11 +1782,10 @@ def _check_flag_names(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     Megatron's."""
     import difflib
 
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    command = next((t for t in argv if not t.startswith("-")), None)
-    if command not in sub.choices:
+    sub_parser = _command_parser(parser, argv)
+    if sub_parser is None:
         return  # argparse names the bad command
-    sub_parser = sub.choices[command]
+    command = next(t for t in argv if not t.startswith("-"))
     options = {opt for action in sub_parser._actions for opt in action.option_strings}
     rest = argv[argv.index(command) + 1:]
     if "--megatron-args" in rest:  # a tracemem flag given after it is Megatron's to argparse
@@ -1810,16 +1809,23 @@ def _check_flag_names(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         sub_parser.error(f"unrecognized argument {name}{hint}")
 
 
+def _command_parser(parser: argparse.ArgumentParser, argv: list[str]):
+    """The sub-parser of ``argv``'s command (its first token not starting with "-"), or None
+    when there is none or it is not a command."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = next((t for t in argv if not t.startswith("-")), None)
+    return sub.choices.get(command)
+
+
 def _attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """``--hbm -80GiB`` as ``--hbm=-80GiB``: a value starting with a minus sign and a digit
     after a flag that takes one value, so that the ``Job`` says what is wrong with it (argparse
     would take it for a flag and say "expected one argument"). Tokens after
     ``--megatron-args`` are Megatron's."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    command = next((t for t in argv if not t.startswith("-")), None)
-    if command not in sub.choices:
+    sub_parser = _command_parser(parser, argv)
+    if sub_parser is None:
         return argv
-    takes_one = {opt for action in sub.choices[command]._actions  # nargs 0: a switch
+    takes_one = {opt for action in sub_parser._actions  # nargs 0: a switch
                  if action.nargs is None for opt in action.option_strings}
     out: list[str] = []
     i = 0

@@ -108,8 +108,8 @@ __all__ = ["zero3_units", "Zero3Gathers", "pp_keeps_gathered", "pp_resident_byte
            "fsdp2_group"]
 
 # FSDP2's reduce_dtype under torchtitan (training.mixed_precision_reduce: only float32)
-REDUCE_BYTES = 4
 REDUCE_DTYPE = torch.float32
+REDUCE_BYTES = REDUCE_DTYPE.itemsize
 
 
 def pp_keeps_gathered(par) -> bool:
