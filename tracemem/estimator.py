@@ -204,6 +204,11 @@ class Segments:
     microbatch 1 stands for every later one (gradients then accumulate)."""
 
     events: dict[tuple[int, str, int], list] = field(default_factory=dict)
+    # False when the trace itself makes and frees the gradients (FSDP2's unsharded bf16
+    # gradients, freed at the unit's reduce-scatter, and its fp32 sharded gradients, made by
+    # the first backward: tracemem.zero3), so the replay keeps each gradient storage as
+    # traced; True: Megatron's, each added into a preallocated main grad (replay_events)
+    transient_grads: bool = True
 
 
 @dataclass(frozen=True)
@@ -261,12 +266,15 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
     local = seq // (par.tp if par.sp else 1)
     tracer = MemoryTracer(rounding=rounding, devices={"meta"})
     tracer.track_external(model)
-    segments = Segments()
+    # FSDP2 (fsdp2_group): the trace makes the gradients (Zero3Gathers._reduce)
+    segments = Segments(transient_grads=gathers is None or gathers.fsdp2_group is None)
     last_chunk = len(model.chunks) - 1
     for chunk in range(len(model.chunks)):
         first = chunk == 0 and model.pre_process
         last = chunk == last_chunk and model.post_process
         for split, mb in [(k == "I", mb) for k in sorted(kinds) for mb in (0, 1)]:
+            if mb == 0 and gathers is not None:
+                gathers.zero_grad()  # the step's first backward makes FSDP2's gradients
             start = len(tracer.events)
             with tracer:
                 labels = torch.zeros(b, seq, dtype=torch.long, device="meta")
@@ -335,11 +343,11 @@ def _trace_step(model, tracer: MemoryTracer, par: ParallelConfig, optimizer: str
     static = static_memory(model, par)
     if offload is not None:  # --optimizer-cpu-offload: part of the state on the host
         static = offload_static(static, model, par, offload)
-    return static, Segments(events)
+    return static, Segments(events, segments.transient_grads)
 
 
 
-TRACE_CACHE_FORMAT = 1  # bump when what a cache file holds changes
+TRACE_CACHE_FORMAT = 2  # bump when what a cache file holds changes
 
 
 class CachedEvent:
@@ -455,7 +463,8 @@ class TraceCache:
         if path is not None:
             static, segments = found
             frozen = Segments({key: [CachedEvent(e) for e in events]
-                               for key, events in segments.events.items()})
+                               for key, events in segments.events.items()},
+                              segments.transient_grads)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             with open(tmp, "wb") as f:
                 pickle.dump((static, frozen), f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -502,7 +511,8 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
 
     Each microbatch gets its own copy of every storage. A storage of category ``gradient`` is
     a transient (it is added into a preallocated main-grad buffer and freed): its alloc is
-    followed at once by its free. A free of a storage the replay does not hold (one allocated
+    followed at once by its free; unless ``segments.transient_grads`` is False (FSDP2: the
+    trace frees its gradients itself, and keeps the sharded ones it makes). A free of a storage the replay does not hold (one allocated
     before the segment, e.g. an external) is dropped. A second alloc of a held storage
     (``resize_``) replaces the held record.
 
@@ -515,7 +525,7 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
     cycle before (same bytes, same order), so peaks and what is alive at them are unchanged.
     """
     live: dict[tuple[int, int, int], MemoryEvent] = {}
-    gradient = Category.GRADIENT
+    gradient = Category.GRADIENT if segments.transient_grads else None
     split = {(s.stage, s.microbatch) for s in steps if s.kind == "I"}
     new = tuple.__new__  # ReplayedEvent(...) without its Python-level __new__: the hot path
 
@@ -895,8 +905,10 @@ def static_floors(job: Job, classes: list[RankClass], cache: TraceCache) -> list
 
 def floor_bytes(static: StaticMemory) -> int:
     """The device bytes a class's replay starts from (``replay_class``'s base): its static
-    memory less the ZeRO-3 gathers (traced events), plus its workspaces."""
-    return static.total_bytes - static.zero3_gather_bytes + static.workspace_bytes
+    memory less the ZeRO-3 gathers and FSDP2's gradients (traced events), plus its
+    workspaces."""
+    return (static.total_bytes - static.zero3_gather_bytes - static.traced_grad_bytes
+            + static.workspace_bytes)
 
 
 def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
@@ -954,7 +966,7 @@ def _row_fields(traced: TracedClass) -> dict:
         "optimizer" if steps[at].kind == "O" else str(steps[at]),
         peak_phase=None if at is None else _PHASES[steps[at].kind],
         peak_bytes=replayed.peak_bytes, parameter_bytes=static.param_bytes,
-        gradient_bytes=static.grad_bytes + live.get("gradient", 0),
+        gradient_bytes=static.held_grad_bytes + live.get("gradient", 0),
         optimizer_state_bytes=static.optimizer_bytes,
         buffer_bytes=static.buffer_bytes + live.get("buffer", 0),
         activation_bytes=live.get("activation", 0),
@@ -973,7 +985,7 @@ def _static_row(job: Job, unit: RankClass, static: StaticMemory) -> RankEstimate
     return RankEstimate(
         pp_stage=unit.stage, ep_rank=unit.ep_rank, rank=unit.rank, layers=list(unit.layers),
         inflight_microbatches=0, peak_step=None, peak_bytes=floor,
-        parameter_bytes=static.param_bytes, gradient_bytes=static.grad_bytes,
+        parameter_bytes=static.param_bytes, gradient_bytes=static.held_grad_bytes,
         optimizer_state_bytes=static.optimizer_bytes, buffer_bytes=static.buffer_bytes,
         activation_bytes=0, comm_buffer_bytes=0, temporary_bytes=0, input_bytes=0,
         zero3_gather_bytes=0, static=static, workspace_bytes=static.workspace_bytes,
@@ -1006,7 +1018,7 @@ def allocator_row(job: Job, traced: TracedClass, snapshot_dir: Path | None = Non
 
     timeline, allocator = replay_through_allocator(
         events_for, traced.steps,
-        [("parameter", static.param_bytes), ("gradient", static.grad_bytes),
+        [("parameter", static.param_bytes), ("gradient", static.held_grad_bytes),
          ("optimizer_state", static.optimizer_bytes), ("buffer", static.buffer_bytes)]
         # each workspace its own block, as its library allocates it (held from the start:
         # an approximation for those first made in backward, Workspace.first_use)

@@ -407,7 +407,13 @@ def _legend(result, units: str, keys: Sequence[str] | None = None) -> list[str]:
     g, p = recipe.grad_bytes, recipe.param_bytes
     line = (f"grads: {g} B ({kinds.get(g, '?')} main grads) per parameter against {p} B "
             f"({kinds.get(p, '?')}) for params under --precision {par.precision}")
-    if g == 2 * p and par.zero != 2:
+    from tracemem.zero3 import fsdp2_group, pp_keeps_gathered
+
+    if fsdp2_group(par) is not None and not pp_keeps_gathered(par):
+        line = (f"grads: FSDP2's, made in backward: the bf16 unsharded gradients until each "
+                f"unit's reduce-scatter, then its fp32 sharded ones ({g} B per parameter / "
+                f"the FSDP group), alive at the peak")
+    elif g == 2 * p and par.zero != 2:
         line += ", hence twice params"
     elif par.zero == 2:
         line += "; ZeRO-2 shards the grads, not the params"

@@ -43,7 +43,7 @@ from modeling.parallel.groups import numel_by_kind
 from modeling.params import count_by_component
 from tracemem.categories import Category
 from tracemem.precision import PRECISION_RECIPES, Precision
-from tracemem.zero3 import pp_keeps_gathered, pp_resident_bytes, unit_params
+from tracemem.zero3 import fsdp2_group, pp_keeps_gathered, pp_resident_bytes, unit_params
 
 __all__ = ["Precision", "PRECISION_RECIPES", "StaticMemory", "static_memory",
            "fused_wgrad_modules", "is_fused_wgrad", "MegatronBuffer", "megatron_buffers",
@@ -103,6 +103,11 @@ class StaticMemory:
         host_bytes, host_pinned_bytes: host memory (not in ``total_bytes``) of the optimizer
             offloaded by ``--optimizer-cpu-offload`` (``tracemem.offload.offload_static``),
             all of it and its pinned part; 0 without offload.
+        traced_grad_bytes: the part of ``grad_bytes`` the trace makes rather than static
+            memory holding it from the start: torchtitan's FSDP2 without PP
+            (``tracemem.zero3.fsdp2_group``), whose fp32 sharded gradients are born in the
+            step's first backward (``Zero3Gathers._reduce``); in ``total_bytes`` (the step's
+            end), not in a replay's floor (``held_grad_bytes``).
     """
 
     dense_params: int
@@ -119,6 +124,13 @@ class StaticMemory:
     unsharded_param_bytes: int = 0
     unsharded_grad_bytes: int = 0
     fp8_bytes: int = 0
+    traced_grad_bytes: int = 0
+
+    @property
+    def held_grad_bytes(self) -> int:
+        """Gradient bytes held from the start of the step: ``grad_bytes`` less
+        ``traced_grad_bytes``."""
+        return self.grad_bytes - self.traced_grad_bytes
 
     @property
     def workspace_bytes(self) -> int:
@@ -493,11 +505,15 @@ def _static_memory(model: nn.Module, par, rank: int | None = None, *,
     resident = (0, 0)
     if pp_keeps_gathered(par):  # torchtitan's PP + FSDP2: gathered through the step
         resident, gather = pp_resident_bytes(model, recipe), 0
+    grads = sharded(recipe.grad_bytes, "gradients")
+    # torchtitan's FSDP2 without PP: the sharded gradients are the trace's (tracemem.zero3)
+    traced = grads if fsdp2_group(par) is not None and not pp_keeps_gathered(par) else 0
     return StaticMemory(dense, expert, sharded(recipe.param_bytes, "parameters") + resident[0],
-                        sharded(recipe.grad_bytes, "gradients") + resident[1],
+                        grads + resident[1],
                         sharded(recipe.optimizer_bytes, "optimizer_states"),
                         buffers, gather, count_by_component(model, buffers=False),
-                        unsharded_param_bytes=resident[0], unsharded_grad_bytes=resident[1])
+                        unsharded_param_bytes=resident[0], unsharded_grad_bytes=resident[1],
+                        traced_grad_bytes=traced)
 
 
 def _persistent_buffer_bytes(model: nn.Module) -> int:

@@ -82,16 +82,23 @@ Megatron-FSDP) a gather stays one flat buffer of the unit's parameters:
 - ``FSDPParamGroup.post_backward`` -> ``foreach_reduce`` (``Zero3Gathers._reduce``): after the
   reshard, the previous unit's reduce-scatter input is released
   (``reduce_scatter_max_input_buffers`` 1), this unit's made (fp32, every unsharded gradient,
-  dim 0 padded to N), the bf16 unsharded gradients freed into it; at N = 1 one fp32 quotient
-  (``reduce_scatter_input / gradient_divide_factor``, torchtitan's factor 1.0). The root's
-  final callback runs the post-backward of units whose inputs need no gradient (the
-  embedding) and releases the last input.
+  dim 0 padded to N), the bf16 unsharded gradients freed into it (at N > 1 the last one only
+  when ``foreach_reduce`` returns: its dim-0 loop variable holds it), then the reduce output,
+  the unit's fp32 sharded gradients (one flat buffer of the padded shards); at N = 1 one fp32
+  quotient (``reduce_scatter_input / gradient_divide_factor``, torchtitan's factor 1.0). The
+  first backward of a step keeps the reduce output as the parameters' gradients
+  (``new_sharded_grad`` views, ``Zero3Gathers.sharded_grads``) until ``zero_grad``
+  (torchtitan's ``optimizers.zero_grad()`` at the start of the next step); a later backward
+  of the same step adds into them and frees its own. The root's final callback, queued on the
+  autograd engine at the first pre-backward (``FSDPState._pre_backward`` ->
+  ``_register_root_post_backward_final_callback``), runs inside ``backward()``: the
+  post-backward of units whose inputs need no gradient (the embedding), then the last input
+  released. The estimator replays these gradients as traced (``Segments.transient_grads``
+  False) and takes them out of the replay's static floor (``StaticMemory.traced_grad_bytes``).
 
-Not modelled: the reduce output, the fp32 sharded gradient, which FSDP2 makes in the first
-backward of a step (``new_sharded_grad``; torchtitan's ``zero_grad`` drops it every step): the
-``fsdp2`` recipe counts it in static memory from the start (an overstatement of the forward
-peaks by 4 B per sharded parameter); without ``fsdp2_group`` the gradient reduce-scatter
-(counted as Megatron's main grad), FSDP2's padding and all-gather output.
+Not modelled: without ``fsdp2_group`` the gradient reduce-scatter (counted as Megatron's main
+grad), FSDP2's padding and all-gather output; with it, the expert parameters' own FSDP mesh
+(every unit is padded and reduced over the dense group).
 """
 
 from __future__ import annotations
@@ -220,6 +227,10 @@ class Zero3Gathers:
         self._handles: list = []
         self._forward = False  # in a unit's pre-forward (FSDP2's TrainingState.FORWARD)
         self._reduce_input: Tensor | None = None  # the last reduce-scatter input (fsdp2)
+        self._callback_queued = False  # fsdp2: end_backward queued on the autograd engine
+        # fsdp2: each unit's fp32 sharded gradients (FSDP2's reduce output), made by the
+        # first backward of a step that reduces it, dropped by zero_grad
+        self.sharded_grads: dict[str, Tensor] = {}
 
     @classmethod
     def for_layout(cls, par, prefetch: bool = True) -> Zero3Gathers:
@@ -383,18 +394,27 @@ class Zero3Gathers:
         this unit's is made (``reduce_scatter_comm.allocate``: every unsharded gradient, dim 0
         padded to a multiple of the group, in ``reduce_dtype``: fp32), the bf16 unsharded
         gradients copied in (``foreach_reduce_scatter_copy_in``) and freed
-        (``unsharded_grads.clear()``, after ``unsharded_param.grad = None``). The reduce
-        output is the sharded fp32 gradient (``new_sharded_grad``, a view of it), counted in
-        static memory as the ``fsdp2`` recipe's grads, so not traced again here. The input is
-        held until the next unit's reduce or the root's final callback."""
+        (``unsharded_grads.clear()``, after ``unsharded_param.grad = None``; at world size > 1
+        the last only after the reduce output is made), then the reduce output, the fp32
+        sharded gradients (``new_sharded_grad``, views of it): kept in ``sharded_grads`` by the
+        step's first backward, added into and freed by a later one. The input is held until
+        the next unit's reduce or the root's final callback."""
         params = [p for p in self._params.get(name, ()) if p.grad is not None]
         if not params:
             return
         self._reduce_input = None
         numel = sum(self._padded_shard(p) * self.fsdp2_group for p in params)
         self._reduce_input = self._empty(numel, REDUCE_DTYPE, Category.COMM_BUFFER, name)
+        # unsharded_grads.clear() frees them after the copy-in; at world size > 1 the loop
+        # variable of foreach_reduce's dim-0 check (``for i, (fsdp_param, unsharded_grad) in
+        # enumerate(zip(fsdp_params, unsharded_grads))``) still holds the last parameter's
+        # until foreach_reduce returns, after the reduce output is made
+        last = params[-1].grad if self.fsdp2_group > 1 else None
         for p in params:
             p.grad = None
+        # reduce_output: the fp32 sharded gradients of the unit, one flat buffer of the
+        # padded shards (reduce_scatter_output_numel), made on the reduce-scatter stream
+        output = self._empty(numel // self.fsdp2_group, REDUCE_DTYPE, Category.GRADIENT, name)
         if self.fsdp2_group == 1:
             # world size 1: reduce_output.copy_(reduce_scatter_input / gradient_divide_factor),
             # the factor 1.0 (torchtitan 0.3.0 torchtitan/distributed/fsdp.py
@@ -402,12 +422,28 @@ class Zero3Gathers:
             # quotient of every gradient, freed after the copy
             quotient = self._empty(numel, REDUCE_DTYPE, Category.TEMPORARY, name)
             del quotient
+        del last
+        if name in self.sharded_grads:
+            # a later backward of the step: sharded_param.grad._local_tensor +=
+            # new_sharded_grad, in place; reduce_output is freed when foreach_reduce returns
+            del output
+        else:
+            # the first: sharded_param.grad = to_sharded_dtensor(new_sharded_grad), views of
+            # reduce_output, held until zero_grad (zero_grad)
+            self.sharded_grads[name] = output
+
+    def zero_grad(self) -> None:
+        """The optimizer's ``zero_grad`` (set_to_none, at the start of torchtitan's
+        ``train_step``): the sharded gradients are dropped, so the next backward that reduces
+        a unit makes them again."""
+        self.sharded_grads.clear()
 
     def end_backward(self) -> None:
         """The root's final callback: with ``fsdp2_group`` the units whose post-backward did
         not run (inputs that need no gradient: the embedding) reduce their gradients
         (``FSDPState._root_post_backward_final_callback``), and the last reduce-scatter input
         is released; then every unit still gathered is resharded."""
+        self._callback_queued = False
         if self.fsdp2_group is not None:
             for name, params in self._params.items():  # post_backward: reshard, then reduce
                 if any(p.grad is not None for p in params):
@@ -452,6 +488,13 @@ class Zero3Gathers:
         return None
 
     def _pre_backward(self, name: str) -> None:
+        if self.fsdp2_group is not None and not self._callback_queued:
+            # FSDPState._pre_backward -> _register_root_post_backward_final_callback: the
+            # root's final callback is queued on the autograd engine, so it runs inside the
+            # backward call, before the engine frees what the graph task holds (the loss's
+            # seed gradient)
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
         self.gather(name)
         indices = self._indices.get(name)
         if self.prefetch and indices:

@@ -180,7 +180,7 @@ def test_fsdp2_forward_holds_the_flat_all_gather_output_beside_the_parameters():
 
 def test_fsdp2_backward_prefetches_the_all_gather_and_copies_out_at_use():
     _, bwd = _fsdp2_events(2)
-    P, C = "parameter", "comm_buffer"
+    P, C, G = "parameter", "comm_buffer", "gradient"
     assert bwd == [
         # the head's pre-backward (still gathered) prefetches the layer: all-gather issued
         ("alloc", 48, C), ("alloc", 96, C), ("free", 48, C),
@@ -188,20 +188,25 @@ def test_fsdp2_backward_prefetches_the_all_gather_and_copies_out_at_use():
         # norm's input)
         ("free", 80, P), ("free", 8, P),
         # then its gradient reduce-scatter input (foreach_reduce): fp32, every unsharded
-        # gradient, (4 + 40) x 4 = 176 B
-        ("alloc", 176, C),
+        # gradient, (4 + 40) x 4 = 176 B, and the reduce output, the fp32 sharded gradients
+        # (half of it, 88 B), kept as the step's gradients
+        ("alloc", 176, C), ("alloc", 88, G),
         # the layer's pre-backward: copy-out, the output freed at once (backward), then the
         # embed prefetched
         ("alloc", 48, P), ("alloc", 48, P), ("free", 96, C),
         ("alloc", 40, C), ("alloc", 80, C), ("free", 40, C),
         # the layer's post-backward: resharded, the previous reduce-scatter input released
-        # (reduce_scatter_max_input_buffers 1), its own made: (24 + 24) x 4 = 192 B
+        # (reduce_scatter_max_input_buffers 1), its own made: (24 + 24) x 4 = 192 B, and its
+        # sharded gradients 96 B
         ("free", 48, P), ("free", 48, P), ("free", 176, C), ("alloc", 192, C),
-        # the embed's pre-backward copies out; the root's final callback runs its
-        # post-backward (its inputs need no gradient): reshard, the layer's reduce-scatter
-        # input released, the embed's made (40 x 4 = 160 B); then the last one released
+        ("alloc", 96, G),
+        # the embed's pre-backward copies out; the root's final callback (queued on the
+        # autograd engine at the first pre-backward) runs its post-backward (its inputs need
+        # no gradient): reshard, the layer's reduce-scatter input released, the embed's made
+        # (40 x 4 = 160 B) and its sharded gradient 80 B; then the last input released. The
+        # sharded gradients stay (until zero_grad)
         ("alloc", 80, P), ("free", 80, C), ("free", 80, P), ("free", 192, C),
-        ("alloc", 160, C), ("free", 160, C)]
+        ("alloc", 160, C), ("alloc", 80, G), ("free", 160, C)]
 
 
 def test_fsdp2_world_size_1_copies_each_parameter_from_its_cast():
@@ -241,7 +246,8 @@ def test_fsdp2_group_only_for_the_fsdp2_recipe():
 def test_fsdp2_frees_each_units_bf16_gradients_at_its_post_backward():
     # foreach_reduce: the unsharded gradients are copied into the reduce-scatter input and
     # freed (unsharded_grads.clear()) at each unit's post-backward; the embed's (inputs that
-    # need no gradient) at the root's final callback
+    # need no gradient) at the root's final callback, which FSDPState._pre_backward queues on
+    # the autograd engine (_register_root_post_backward_final_callback), so inside backward()
     model = _Tiny().to(device="meta", dtype=torch.bfloat16)
     gathers = Zero3Gathers(fsdp2_group=2).install(model)
     tracer = MemoryTracer(rounding=None, devices={"meta"})
@@ -249,10 +255,45 @@ def test_fsdp2_frees_each_units_bf16_gradients_at_its_post_backward():
     with tracer:
         model(torch.zeros(1, 3, dtype=torch.long, device="meta")).backward()
         left = {name for name, p in model.named_parameters() if p.grad is not None}
-        gathers.end_backward()
+    # the sharded gradients, one flat fp32 buffer a unit (dim 0 padded to 2): [norm, head]
+    # (4 + 40) / 2, the layer (24 + 24) / 2, the embed 40 / 2 elements
+    held = {name: g.numel() for name, g in gathers.sharded_grads.items()}
     gathers.remove()
-    assert left == {"embed.weight"}
-    assert all(p.grad is None for p in model.parameters())
+    assert left == set()
+    assert held == {"head": 22, "layer": 24, "embed": 20}
+    gathers.zero_grad()
+    assert gathers.sharded_grads == {}
+
+
+def test_fsdp2_later_backwards_accumulate_into_the_first_ones_gradients():
+    # a second backward in the step (gradient accumulation): foreach_reduce's output is
+    # added into sharded_param.grad in place and freed when it returns; zero_grad (the next
+    # step) drops the gradients, and the backward after it makes them again
+    model = _Tiny().to(device="meta", dtype=torch.bfloat16)
+    gathers = Zero3Gathers(fsdp2_group=2).install(model)
+    tracer = MemoryTracer(rounding=None, devices={"meta"})
+    tracer.track_external(model)
+    tokens = torch.zeros(1, 3, dtype=torch.long, device="meta")
+    with tracer:
+        model(tokens).backward()
+        first = len(tracer.events)
+        model(tokens).backward()
+        second = len(tracer.events)
+        gathers.zero_grad()
+        model(tokens).backward()
+    gathers.remove()
+
+    ours = {e.storage_id for e in tracer.events if e.action == "alloc"
+            and e.category is Category.GRADIENT and e.op == "aten::empty.memory_format"}
+
+    def gradients(events):
+        return [(e.action, e.nbytes) for e in events if e.storage_id in ours]
+    assert gradients(tracer.events[:first]) == [("alloc", 88), ("alloc", 96), ("alloc", 80)]
+    assert gradients(tracer.events[first:second]) == [
+        ("alloc", 88), ("free", 88), ("alloc", 96), ("free", 96), ("alloc", 80), ("free", 80)]
+    # zero_grad frees the three; the third backward makes them again
+    assert gradients(tracer.events[second:]) == [
+        ("free", 88), ("free", 96), ("free", 80), ("alloc", 88), ("alloc", 96), ("alloc", 80)]
 
 
 def test_fsdp2_world_size_1_divides_into_one_fp32_quotient():
@@ -261,10 +302,43 @@ def test_fsdp2_world_size_1_divides_into_one_fp32_quotient():
     _, bwd = _fsdp2_events(1)
     reduce = [e for e in bwd if e[1] in (176, 192, 160)]  # the bf16 buffers: 8 to 96 B
     # [norm, head] (4 + 40) x 4 = 176 B; the layer (24 + 24) x 4 = 192 B; the embed 160 B
-    assert reduce == [("alloc", 176, "comm_buffer"), ("alloc", 176, "temporary"),
-                      ("free", 176, "temporary"),
-                      ("free", 176, "comm_buffer"), ("alloc", 192, "comm_buffer"),
-                      ("alloc", 192, "temporary"), ("free", 192, "temporary"),
-                      ("free", 192, "comm_buffer"), ("alloc", 160, "comm_buffer"),
-                      ("alloc", 160, "temporary"), ("free", 160, "temporary"),
-                      ("free", 160, "comm_buffer")]
+    # each with its reduce output (the sharded gradients, all of it at world size 1) made
+    # between the input and the quotient, and kept
+    C, G, T = "comm_buffer", "gradient", "temporary"
+    assert reduce == [("alloc", 176, C), ("alloc", 176, G), ("alloc", 176, T), ("free", 176, T),
+                      ("free", 176, C), ("alloc", 192, C), ("alloc", 192, G),
+                      ("alloc", 192, T), ("free", 192, T),
+                      ("free", 192, C), ("alloc", 160, C), ("alloc", 160, G),
+                      ("alloc", 160, T), ("free", 160, T), ("free", 160, C)]
+
+
+def test_fsdp2_estimate_replays_the_gradients_the_trace_makes():
+    # llama-tiny (h 64, 4 heads of 16, 2 KV heads, MLP 128, 4 layers, vocabulary 256; the
+    # torch profile's fused wqkv (4 + 2 x 2) x 16 = 128 rows): 180,800 parameters, every
+    # dim 0 a multiple of 4, so FSDP2 over 4 ranks pads nothing: 45,200 a rank. Two
+    # microbatches (G 8 = b 1 x DP 4 x 2): the first backward makes the fp32 sharded
+    # gradients, 45,200 x 4 = 180,800 B, the second adds into them; none is in static memory
+    from tracemem.estimator import TraceCache, floor_bytes, rank_classes, replay_events, \
+        trace_classes
+    from tracemem.job import Job
+
+    job = Job(model="llama-tiny", world_size=4, micro_batch_size=1, seq_length=32,
+              global_batch_size=8, zero=3, precision="fsdp2", kernels="torch")
+    traced, = trace_classes(job, rank_classes(job), TraceCache())
+    static = traced.static
+    assert static.traced_grad_bytes == static.grad_bytes == 4 * 45_200
+    # the floor: fp32 parameters 4 B and AdamW's two fp32 moments 8 B per sharded element
+    assert floor_bytes(static) == 12 * 45_200 + static.buffer_bytes + static.workspace_bytes
+    assert not traced.segments.transient_grads
+    live: dict = {}
+    for _, key, action, nbytes, event in replay_events(traced.steps, 1, traced.segments):
+        if action == "alloc":
+            live[key] = event
+        else:
+            live.pop(key, None)
+    # after the optimizer step: microbatch 0's, once: one flat buffer a unit, each rounded
+    # to the trace's 512 B: the embedding 256 x 64 / 4 x 4 = 16,384; a layer 36,992 / 4 x 4
+    # = 36,992 -> 37,376; [norm, head] (64 + 16,384) / 4 x 4 = 16,448 -> 16,896
+    grads = sum(e.nbytes for e in live.values() if e.category is Category.GRADIENT)
+    assert grads == 16_384 + 4 * 37_376 + 16_896 == 182_784
+    assert {key[1] for key, e in live.items() if e.category is Category.GRADIENT} == {0}
