@@ -109,6 +109,10 @@ MEGATRON_TE_OPTIONS = {
 
 # torch options: name -> (allowed values, default, what selects it)
 TORCH_OPTIONS = {
+    "fused_qkv": ((True, False), True,
+                  "torchtitan's qkv_linear: FusedQKVLinear (one wqkv GEMM, its output split "
+                  "and copied: the fuse_qkv=True of torchtitan 0.3.0's llama3 and qwen3 "
+                  "configs) or QKVLinear (wq, wk, wv apart)"),
     "loss_chunks": (range(0, 1 << 20), 0,
                     "torchtitan's loss: 0 CrossEntropyLoss (the whole fp32 logits), N > 0 "
                     "ChunkedLossWrapper num_chunks N (loss.chunked_cross_entropy)"),
@@ -120,6 +124,7 @@ class KernelProfile:
 
     name = "eager"
     orchestration = "eager"
+    fused_qkv = False  # GQA's q, k, v as three GEMMs (wq, wk, wv); the torch profile fuses
 
     def __init__(self, **options):
         self.options = options
@@ -177,6 +182,12 @@ class TorchKernels(KernelProfile):
     SDPA's fused attention, ``torch._grouped_mm``, ``F.cross_entropy`` on fp32 logits."""
 
     name = "torch"
+
+    @property
+    def fused_qkv(self) -> bool:
+        """``TORCH_OPTIONS`` ``fused_qkv``: GQA's q, k, v in one GEMM (torchtitan's
+        ``FusedQKVLinear``, ``modeling.common.attention.gqa``)."""
+        return self.options.get("fused_qkv", True)
 
     @property
     def loss_chunks(self) -> int:

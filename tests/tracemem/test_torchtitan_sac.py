@@ -54,14 +54,15 @@ def _block_after_forward(recompute: str, modules: frozenset[str], wrap=None):
 
 
 def test_op_policy_saves_every_other_mm_attention_and_nothing_else():
-    # T = b s = 64 tokens. The block's mms in order (GQA wq, wk, wv, wo; MLP w1, w3, w2), the
-    # counter saving the odd ones: wq (64 x 64) saved, wk recomputed, wv (64 x 32) saved, wo
-    # recomputed, w1 (64 x 128) saved, w3 recomputed, w2 (64 x 64) saved. SDPA
-    # (_scaled_dot_product_efficient_attention, compute_intensive_ops) saved whole: out
+    # T = b s = 64 tokens. The block's mms in order (GQA's fused wqkv, wo; MLP w1, w3, w2:
+    # torchtitan's FusedQKVLinear, the torch profile's fused_qkv), the counter saving the odd
+    # ones: wqkv (64 x (4 + 2 x 2) x 16 = 64 x 128) saved, wo recomputed, w1 (64 x 128) saved,
+    # w3 recomputed, w2 (64 x 64) saved; the split's q, k, v copies are not mm: recomputed.
+    # SDPA (_scaled_dot_product_efficient_attention, compute_intensive_ops) saved whole: out
     # (2, 4, 32, 16) bf16, log-sum-exp (2, 4, 32) fp32, philox seed and offset (int64 scalars).
-    saved = (64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 2 + 64 * 64 * 2   # 8192 4096 16384 8192
-             + 2 * 4 * 32 * 16 * 2 + 2 * 4 * 32 * 4 + 2 * 8)           # 8192 1024 16
-    assert saved == 46096
+    saved = (64 * 128 * 2 + 64 * 128 * 2 + 64 * 64 * 2             # 16384 16384 8192
+             + 2 * 4 * 32 * 16 * 2 + 2 * 4 * 32 * 4 + 2 * 8)       # 8192 1024 16
+    assert saved == 50192
     after, _ = _block_after_forward("selective", frozenset({"op"}))
     assert after["activation"] == saved  # the block input x is an "input" (tracked)
     # what else is live: the block output y (2, 32, 64) bf16, nothing the policy recomputes
@@ -79,7 +80,7 @@ def test_op_policy_traces_as_torchtitans_own_selective_ac():
     _, ours = _block_after_forward("selective", frozenset({"op"}))
     _, theirs = _block_after_forward("none", frozenset(), wrap=titan)
     assert ours == theirs
-    assert ours[0] == 46096 + 2 * 32 * 64 * 2  # the saved set and the block's output
+    assert ours[0] == 50192 + 2 * 32 * 64 * 2  # the saved set and the block's output
 
 
 def test_op_policy_recomputes_the_router_gate_without_counting_it():

@@ -225,7 +225,7 @@ MODULE_CLASSES = {
     "Llama3Model.Config", "Llama3TransformerBlock.Config", "Qwen3Model.Config",
     "Qwen3TransformerBlock.Config", "DeepSeekV3Model.Config",
     "DeepSeekV3TransformerBlock.Config", "GQAttention.Config", "Attention.Config",
-    "FusedQKVLinear.Config", "Linear.Config", "Embedding.Config", "RMSNorm.Config",
+    "FusedQKVLinear.Config", "QKVLinear.Config", "Linear.Config", "Embedding.Config", "RMSNorm.Config",
     "FeedForward.Config", "ComplexRoPE.Config", "CosSinRoPE.Config", "FlexAttention.Config",
     "ScaledDotProductAttention.Config", "MoE.Config", "RoutedExperts.Config",
     "GroupedExperts.Config", "AllToAllTokenDispatcher.Config", "LocalTokenDispatcher.Config",
@@ -350,6 +350,16 @@ def _biases(*linears) -> bool:
     return any(getattr(lin, "bias", False) for lin in linears if lin is not None)
 
 
+def _fused_qkv(model_spec) -> bool:
+    """Whether the GQA layers of ``model_spec`` project q, k, v with one ``FusedQKVLinear``
+    (torchtitan 0.3.0 models/common/attention.py; ``fuse_qkv=True``, the llama3 and qwen3
+    configs' default) rather than ``QKVLinear`` (wq, wk, wv): the ``torch`` profile's
+    ``fused_qkv`` option. False for an MLA model (no qkv_linear)."""
+    layers = list(model_spec.model.layers)
+    qkv = getattr(layers[0].attention, "qkv_linear", None) if layers else None
+    return qkv is not None and _qual(qkv) == "FusedQKVLinear.Config"
+
+
 def torchtitan_model_config(model_spec):
     """The ``modeling.ModelConfig`` of a torchtitan 0.3.0 ``ModelSpec``: the module-config
     tree ``model_spec.model`` (``Llama3Model.Config``, ``Qwen3Model.Config``,
@@ -418,8 +428,12 @@ def torchtitan_model_config(model_spec):
         data.update(_deepseek_moe(moe, source))
     else:
         qkv = att.qkv_linear
-        data.update(num_key_value_heads=qkv.n_kv_heads, head_dim=qkv.head_dim,
-                    attention_bias=_biases(qkv.wqkv, att.wo))
+        if _fused_qkv(model_spec):
+            data.update(num_key_value_heads=qkv.n_kv_heads, head_dim=qkv.head_dim,
+                        attention_bias=_biases(qkv.wqkv, att.wo))
+        else:  # QKVLinear: wq, and wk / wv both built from wkv
+            data.update(num_key_value_heads=qkv.wkv.out_features // qkv.head_dim,
+                        head_dim=qkv.head_dim, attention_bias=_biases(qkv.wq, qkv.wkv, att.wo))
         if kind == "qwen3" and att.qk_norm is None:
             raise TracememError(f"{source}: a Qwen3 attention without qk_norm")
         if kind == "llama" and att.qk_norm is not None:
@@ -561,6 +575,9 @@ def torchtitan_job_kwargs(config, *, world_size: int) -> dict[str, Any]:
     degrees = _degrees(par, world_size)
     recompute = _recompute(config.activation_checkpoint)
     kernel_options = _loss(config.loss)
+    layers = list(config.model_spec.model.layers)
+    if hasattr(layers[0].attention, "qkv_linear") and not _fused_qkv(config.model_spec):
+        kernel_options["fused_qkv"] = False  # QKVLinear: wq, wk, wv apart
     tp = degrees["tp"]
     training = config.training
     dp = degrees["dp_shard"]  # data_parallel_replicate_degree is 1 (REFUSED_WHEN)

@@ -8,11 +8,18 @@ before RoPE; RoPE rotates the first ``rotary_dim`` channels of each head (partia
 is skipped when ``cfg.position_embedding`` is not "rope" (Megatron's GPT with learned absolute
 positions: no rotary embedding); ``wo`` projects back.
 Module names follow torchtitan's ``models/llama3/model.py`` ``Attention`` (``wq``, ``wk``,
-``wv``, ``wo``) and transformers' Qwen3 (``q_norm``, ``k_norm``).
+``wv``, ``wo``) and transformers' Qwen3 (``q_norm``, ``k_norm``). A profile with ``fused_qkv``
+(the torch profile's default) holds one ``wqkv`` instead of ``wq``, ``wk``, ``wv``, as
+torchtitan 0.3.0's ``FusedQKVLinear`` does (torchtitan/models/common/attention.py; its llama3
+and qwen3 configs set ``fuse_qkv=True``): one GEMM to ``(b, s, n_kv * R * d)``, R = n_h / n_kv +
+2, viewed ``(b, s, n_kv, R, d)``, split along R and each part copied contiguous; its backward
+concatenates the three gradients (the split's ``cat``) before one input- and one
+weight-gradient GEMM.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -103,9 +110,14 @@ class GQA(nn.Module):
         # groups (modeling.parallel.plans' docstring): linear_qkv column-parallel (its biases
         # with it), linear_proj row-parallel (its bias replicated), q / k norms replicated
         col, rw = column("attention"), row("attention")
-        self.wq = Linear(h, n * d, bias=cfg.qkv_bias, kernels=kern, group=col)
-        self.wk = Linear(h, n_kv * d, bias=cfg.qkv_bias, kernels=kern, group=col)
-        self.wv = Linear(h, n_kv * d, bias=cfg.qkv_bias, kernels=kern, group=col)
+        self.fused_qkv = kern.fused_qkv and kern.orchestration != "megatron"
+        if self.fused_qkv:  # torchtitan's FusedQKVLinear: one (n + 2 n_kv) d x h weight
+            self.wqkv = Linear(h, (n + 2 * n_kv) * d, bias=cfg.qkv_bias, kernels=kern,
+                               group=col)
+        else:
+            self.wq = Linear(h, n * d, bias=cfg.qkv_bias, kernels=kern, group=col)
+            self.wk = Linear(h, n_kv * d, bias=cfg.qkv_bias, kernels=kern, group=col)
+            self.wv = Linear(h, n_kv * d, bias=cfg.qkv_bias, kernels=kern, group=col)
         self.wo = Linear(n * d, h, bias=cfg.o_bias, kernels=kern, group=rw)
         if cfg.qk_norm:
             self.q_norm = make_norm(cfg, d, kern)
@@ -128,9 +140,12 @@ class GQA(nn.Module):
             return self._forward_megatron(x, norm)
         x = all_gather(x, self.sp, dim=1)  # (b, s / cp, h)
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim)  # (b, s, n_local, d)
-        k = self.wk(x).view(b, s, -1, self.head_dim)  # (b, s, n_kv_local, d)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.fused_qkv:
+            q, k, v = self._fused_qkv_forward(x)
+        else:
+            q = self.wq(x).view(b, s, -1, self.head_dim)  # (b, s, n_local, d)
+            k = self.wk(x).view(b, s, -1, self.head_dim)  # (b, s, n_kv_local, d)
+            v = self.wv(x).view(b, s, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
@@ -144,6 +159,17 @@ class GQA(nn.Module):
             out = self._core_attention(q, k, v)
         out = self.wo(out.transpose(1, 2).reshape(b, s, -1))  # (b, s / cp, h), partial sums
         return reduce_scatter(out, self.sp, dim=1)  # (b, s / (cp * sp), h)
+
+    def _fused_qkv_forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """torchtitan 0.3.0 ``FusedQKVLinear.forward``: ``x`` ``(b, s, h)`` -> q ``(b, s,
+        n_local, d)``, k, v ``(b, s, n_kv_local, d)``, each a contiguous copy of its slice of
+        the one GEMM's output."""
+        b, s, _ = x.shape
+        per_group = self.num_heads // self.num_kv_heads
+        qkv = self.wqkv(x).view(b, s, -1, per_group + 2, self.head_dim)
+        parts = torch.split(qkv, [per_group, 1, 1], dim=-2)
+        q, k, v = (t.reshape(b, s, -1, self.head_dim).contiguous() for t in parts)
+        return q, k, v
 
     def _core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # (b, n, s / cp, d) queries, (b, n_kv, s, d) keys and values in; (b, n, s / cp, d) out

@@ -52,6 +52,9 @@ def test_fsdp2_keeps_16_bytes_per_sharded_parameter_on_a_tiny_model():
     assert memory.dense_params == 180_800
     assert memory.param_bytes == 4 * 45_200  # fp32 sharded parameters
     assert memory.grad_bytes == 4 * 45_200  # fp32 sharded gradients (reduce_dtype)
+    # ... made by the first backward (FSDP2's reduce output, tracemem.zero3), not held from
+    # the start of the step: none in the replay's floor
+    assert memory.traced_grad_bytes == memory.grad_bytes and memory.held_grad_bytes == 0
     assert memory.optimizer_bytes == 8 * 45_200  # AdamW m, v in fp32; no master copy
     assert memory.param_bytes + memory.grad_bytes + memory.optimizer_bytes == 16 * 45_200
     # the bf16 copy of the largest unit while gathered: a decoder layer, 2 x 36,992
@@ -197,6 +200,16 @@ TABLE = [
       "intermediate_size": 3072, "num_layers": 8, "num_attention_heads": 16,
       "num_key_value_heads": 8, "head_dim": 128, "qk_norm": True,
       "tie_word_embeddings": True}),
+    # qwen3_debugmodel_non_fused_qkv: qwen3_debugmodel with model_registry(
+    # "debugmodel_non_fused_qkv"): _build_qwen3_layers(fuse_qkv=False, ...), QKVLinear's wq,
+    # wk, wv apart (models/common/attention.py): the torch profile's fused_qkv off; n_kv from
+    # wkv's 8 x 128 = 1,024 outputs / head_dim 128
+    ("qwen3", "qwen3_debugmodel_non_fused_qkv", "full", 4,
+     {"micro_batch_size": 8, "seq_length": 2048, "global_batch_size": 32, "tp": 1,
+      "sp": False, "ep": 1, "kernel_options": {"fused_qkv": False}, **_FULL},
+     {"model_type": "qwen3", "vocab_size": 2048, "hidden_size": 256,
+      "intermediate_size": 3072, "num_layers": 8, "num_attention_heads": 16,
+      "num_key_value_heads": 8, "head_dim": 128, "qk_norm": True}),
     # qwen3_moe_debug: local_batch_size 4, seq_len 4096, expert_parallel_degree 1 (here 2);
     # _debugmodel_moe: dim 256, head_dim 128, 8 layers (all MoE), 16 / 8 heads,
     # moe_hidden_dim 768, 64 experts, top_k 8, route_norm True
