@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a case to run (repeatable; default: all)")
     validate.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
     validate.add_argument("--against", choices=["cpu", "megatron-core", "megatron-ci",
-                                                "torchtitan"],
+                                                "torchtitan", "torchtitan-runs"],
                           default="cpu",
                           help="cpu (default): the cases above, real CPU runs; megatron-core: "
                                "Megatron-Core's own GPTModel with tracemem's megatron-te "
@@ -379,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "golden value at iteration 2 (or the first logged after 1); "
                                "torchtitan: torchtitan 0.3.0's own llama3 debugmodel under "
                                "its own parallelize_llama (FSDP2) on meta, per part against "
-                               "tracemem's build_rank with the torch kernels")
+                               "tracemem's build_rank with the torch kernels; torchtitan-runs: "
+                               "torchtitan's published measured runs (Llama 3.1 8B under "
+                               "FSDP), their max_reserved against the worst rank's")
     validate.add_argument("--ci-case", action="append", default=None, metavar="NAME",
                           help="--against megatron-ci: a case to score, by name or a part of "
                                "it (repeatable; default: every selected case)")
@@ -1626,7 +1628,7 @@ def _run_validate(args: argparse.Namespace) -> str:
         return _run_validate_megatron(args)
     if args.against == "megatron-ci":
         return _run_validate_ci(args)
-    if args.against == "torchtitan":
+    if args.against in ("torchtitan", "torchtitan-runs"):
         return _run_validate_torchtitan(args)
     if args.ci_case or args.left_out:
         raise TracememError("--ci-case and --left-out apply to --against megatron-ci")
@@ -1717,11 +1719,13 @@ def _run_validate_torchtitan(args: argparse.Namespace) -> str:
     """torchtitan as the oracle of the torch profile
     (``tracemem.oracle.torchtitan_oracle.run_command``): exit code 1 (``args.exit_code``) on
     any difference its residue table does not name."""
-    from tracemem.oracle.torchtitan_oracle import run_command
-
     if args.case or args.ci_case or args.left_out:
-        raise TracememError("--case, --ci-case and --left-out do not apply to --against "
-                            "torchtitan, which runs its own layouts (docs/validation.md)")
+        raise TracememError(f"--case, --ci-case and --left-out do not apply to --against "
+                            f"{args.against}, which runs its own layouts (docs/validation.md)")
+    if args.against == "torchtitan-runs":  # tracemem.validation.torchtitan_runs
+        from tracemem.validation.torchtitan_runs import run_command
+    else:
+        from tracemem.oracle.torchtitan_oracle import run_command
     out, args.exit_code = run_command(json_out=args.json)
     return out
 
