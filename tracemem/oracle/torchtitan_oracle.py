@@ -171,8 +171,12 @@ def _run_torchtitan(case: TitanCase):
         warnings.simplefilter("ignore")
         from torchtitan.config import TORCH_DTYPE_MAP
         from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed import utils as dist_utils
         from torchtitan.tools import utils
 
+        # Trainer.__init__ (torchtitan/trainer.py): the SPMD backend the loss and the
+        # distributed helpers read
+        dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
         parallel_dims = ParallelDims.from_config(config.parallelism, case.world_size)
         spec = config.model_spec
         model_config = spec.model
