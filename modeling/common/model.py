@@ -227,6 +227,34 @@ class Transformer(nn.Module):
             logits = self.head(hidden)  # (b, s / cp, vocab held)
         return self.kernels.loss(logits, labels, self.sizes.tp)
 
+    def _megatron_mtp_loss(self, h: Tensor, labels: Tensor, routing: RoutingModel) -> Tensor:
+        """The last chunk's end with MTP under the megatron orchestration, in Megatron-Core's
+        order (``GPTModel._postprocess``, Megatron-LM d98e8a6 and megatron-core 0.16.1): the
+        final norm closes the decoder (``TransformerBlock.has_final_layernorm_in_this_stage``
+        with ``mtp_num_layers``: the stage of the last decoder layer), the MTP layers run on
+        its output (``MultiTokenPredictionBlock.forward``) and their outputs and it are
+        concatenated (``torch.cat(hidden_states_list)``: one new tensor, which each output
+        layer's saved input is a view of; here along b, Megatron's ``[s, b, h]`` along s: the
+        same contiguous chunks), then ``process_mtp_loss`` runs each depth's output layer and
+        loss, attaching it to the main hidden states (``MTPLossAutoScaler``), and the main
+        output layer and loss run last. Not traced: the loss-mask products of
+        ``process_mtp_loss`` (a few ``(b, s)`` fp32 and int64 tensors a depth), as the main
+        loss's masking in the training loop is not."""
+        h = self.norm(h)
+        outs = [h]
+        positions = self._positions(labels)
+        for depth, module in enumerate(self.mtp.values(), start=1):
+            rolled = None if positions is None else positions.roll(-depth, dims=1)
+            # the MTP embeds the following tokens: the labels, rolled further
+            outs.append(module(outs[-1], self._embed(labels.roll(-(depth - 1), dims=1),
+                                                      rolled), routing))
+        parts = torch.cat(outs, dim=0).chunk(len(outs), dim=0)
+        main = parts[0]
+        for depth in range(1, len(outs)):
+            mtp_loss = MTP_LOSS_WEIGHT * self._loss(parts[depth], labels.roll(-depth, dims=1))
+            main = _MTPLossAutoScaler.apply(main, mtp_loss)
+        return self._loss(main, labels)
+
     def forward(self, inputs: Tensor, labels: Tensor, routing: RoutingModel,
                 chunk: int = 0) -> Tensor:
         """``inputs``: tokens ``(b, s / cp)`` on the first chunk of the first stage, else the
@@ -239,6 +267,8 @@ class Transformer(nn.Module):
             h = self.layers[str(i)](h, routing)
         if not last:
             return h
+        if len(self.mtp) and self.kernels.orchestration == "megatron":
+            return self._megatron_mtp_loss(h, labels, routing)
         loss = self._loss(self.norm(h), labels)
         tokens = labels  # the MTP embeds the following tokens: the labels, rolled further
         positions = self._positions(labels) if len(self.mtp) else None
@@ -247,6 +277,24 @@ class Transformer(nn.Module):
             h = module(h, self._embed(tokens.roll(-(depth - 1), dims=1), rolled), routing)
             loss = loss + MTP_LOSS_WEIGHT * self._loss(h, labels.roll(-depth, dims=1))
         return loss
+
+
+class _MTPLossAutoScaler(torch.autograd.Function):
+    """Megatron-Core's ``MTPLossAutoScaler`` (megatron/core/transformer/
+    multi_token_prediction.py, Megatron-LM d98e8a6 and megatron-core 0.16.1): the identity on
+    ``output`` that saves the MTP loss and, in backward, gives it its gradient
+    (``torch.ones_like(mtp_loss) * main_loss_backward_scale``), so the main loss's backward
+    runs the MTP branch."""
+
+    @staticmethod
+    def forward(ctx, output: Tensor, mtp_loss: Tensor) -> Tensor:
+        ctx.save_for_backward(mtp_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (mtp_loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(mtp_loss)
 
 
 def _layer(layer_id: int, cfg: ModelConfig, attention: str, experts: str, sizes: LocalSizes,
