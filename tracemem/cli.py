@@ -872,7 +872,8 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
                        metavar="N",
                        help="Megatron-LM's flag: N copies of the distributed optimizer across "
-                            "DP; ZeRO 1 shards over DP x CP / N and EDP / N (default 1)")
+                            "DP; ZeRO 1 shards over DP x CP / N and EDP / N; with --zero 3 "
+                            "--precision fsdp2, torchtitan's HSDP replicas (default 1)")
     group.add_argument("--precision", choices=PRECISIONS, default="megatron",
                        help="bytes per parameter of params / grads / optimizer states "
                             "(default %(default)s)")

@@ -152,7 +152,9 @@ class ParallelConfig:
     ``store_param_remainders``, ``gradient_accumulation_fusion``; None keeps the recipe's:
     ``tracemem.precision``), ``plan`` (``PLANS``), ``num_distributed_optimizer_instances``
     (Megatron's ``--num-distributed-optimizer-instances``: ZeRO 1 shards over DP x CP / N
-    and EDP / N; ``GROUPS``). ``dp``, ``edp`` and ``precision_spec`` (the resolved
+    and EDP / N; ``GROUPS``; with ZeRO 3 and the ``fsdp2`` recipe, torchtitan's HSDP
+    ``data_parallel_replicate_degree``: FSDP2 shards everything over DP x CP / N and
+    all-reduces the gradients across the N replicas). ``dp``, ``edp`` and ``precision_spec`` (the resolved
     ``Precision``) are derived.
 
     Use ``ParallelConfig.create(...)``, which validates against the model and derives the rest.
@@ -236,7 +238,10 @@ class ParallelConfig:
             raise TracememError(f"{flag} {n!r} must be a positive integer")
         if n == 1:
             return
-        if self.zero in (2, 3):
+        from tracemem.precision import FSDP2_RECIPES
+
+        hsdp = self.zero == 3 and self.precision in FSDP2_RECIPES  # torchtitan's HSDP
+        if self.zero in (2, 3) and not hsdp:
             raise TracememError(
                 f"{flag} {n} with --zero {self.zero} is Megatron-FSDP's HSDP "
                 f"(megatron/core/distributed/fsdp/mcore_fsdp_adapter.py: enable_hsdp), not "
@@ -272,7 +277,9 @@ class ParallelConfig:
         rule = sharding_rule(quantity, kind)
         if self.zero < rule.zero:
             return 1
-        return (self.intra_group_size(rule.group) if rule.zero == 1
+        # ZeRO 3 with replicas is torchtitan's HSDP (the fsdp2 recipe only,
+        # _check_optimizer_instances): every quantity sharded within a replica
+        return (self.intra_group_size(rule.group) if rule.zero == 1 or self.zero == 3
                 else self.group_size(rule.group))
 
     @property

@@ -96,6 +96,14 @@ Megatron-FSDP) a gather stays one flat buffer of the unit's parameters:
   released. The estimator replays these gradients as traced (``Segments.transient_grads``
   False) and takes them out of the replay's static floor (``StaticMemory.traced_grad_bytes``).
 
+HSDP (``replicas`` > 1: torchtitan's ``data_parallel_replicate_degree``, the layout's
+``num_distributed_optimizer_instances`` under ZeRO 3): FSDP2 shards within a replica
+(``fsdp2_group`` is DP x CP / replicas) and all-reduces each reduce output in place across the
+replicas (``foreach_reduce``'s HSDP branch); the unit's ``_all_reduce_state`` holds that
+output until the end of backward (``FSDPParamGroup.finalize_backward``), which costs nothing
+in a step's first backward (it is the gradient) and keeps each later backward's reduce
+outputs to its end.
+
 Not modelled: without ``fsdp2_group`` the gradient reduce-scatter (counted as Megatron's main
 grad), FSDP2's padding and all-gather output; with it, the expert parameters' own FSDP mesh
 (every unit is padded and reduced over the dense group).
@@ -136,7 +144,7 @@ def fsdp2_group(par) -> int | None:
 
     if par.zero != 3 or par.precision not in FSDP2_RECIPES:
         return None
-    return par.shards("parameters", "dense")
+    return par.shards("parameters", "dense")  # within a replica under HSDP
 
 
 def pp_resident_bytes(model: nn.Module, recipe) -> tuple[int, int]:
@@ -209,12 +217,16 @@ class Zero3Gathers:
     """
 
     def __init__(self, prefetch: bool = True, keep_after_forward: frozenset[str] | None = None,
-                 fsdp2_group: int | None = None):
+                 fsdp2_group: int | None = None, replicas: int = 1):
         self.prefetch = prefetch
         self.keep_after_forward = keep_after_forward  # None: the units' declarations
         # FSDP2's own buffers over a shard group of this size (module docstring); None: one
         # flat buffer per gather
         self.fsdp2_group = fsdp2_group
+        # HSDP (torchtitan's data_parallel_replicate_degree): the reduce output is also
+        # all-reduced across this many replicas, and held until the end of backward
+        self.replicas = replicas
+        self._all_reduce_held: dict[str, Tensor] = {}
         self._params: dict[str, list[nn.Parameter]] = {}
         self._pending: dict[str, Tensor | None] = {}  # all-gathered, not yet copied out
         self._deferred: Tensor | None = None  # forward's last all-gather output
@@ -236,7 +248,9 @@ class Zero3Gathers:
     def for_layout(cls, par, prefetch: bool = True) -> Zero3Gathers:
         """The gathers of layout ``par`` (a ``ParallelConfig``): FSDP2's own buffers under the
         ``fsdp2`` recipe (``fsdp2_group``), one flat buffer per gather otherwise."""
-        return cls(prefetch, fsdp2_group=fsdp2_group(par))
+        group = fsdp2_group(par)
+        return cls(prefetch, fsdp2_group=group,
+                   replicas=par.num_distributed_optimizer_instances if group else 1)
 
     def install(self, model: nn.Module) -> Zero3Gathers:
         units = unit_params(model)
@@ -425,7 +439,12 @@ class Zero3Gathers:
         del last
         if name in self.sharded_grads:
             # a later backward of the step: sharded_param.grad._local_tensor +=
-            # new_sharded_grad, in place; reduce_output is freed when foreach_reduce returns
+            # new_sharded_grad, in place; reduce_output is freed when foreach_reduce returns,
+            # unless HSDP all-reduced it: then the unit's _all_reduce_state holds it
+            # (all_reduce_input = reduce_output, "keeps the buffer off the caching
+            # allocator's free list") until finalize_backward at the end of backward
+            if self.replicas > 1:
+                self._all_reduce_held[name] = output
             del output
         else:
             # the first: sharded_param.grad = to_sharded_dtensor(new_sharded_grad), views of
@@ -449,6 +468,7 @@ class Zero3Gathers:
                 if any(p.grad is not None for p in params):
                     self.post_backward(name)
             self._reduce_input = None  # reduce_scatter_states.clear()
+            self._all_reduce_held.clear()  # FSDPParamGroup.finalize_backward
         self._gathered.clear()
         self._pending.clear()
         self._deferred = None

@@ -342,3 +342,25 @@ def test_fsdp2_estimate_replays_the_gradients_the_trace_makes():
     grads = sum(e.nbytes for e in live.values() if e.category is Category.GRADIENT)
     assert grads == 16_384 + 4 * 37_376 + 16_896 == 182_784
     assert {key[1] for key, e in live.items() if e.category is Category.GRADIENT} == {0}
+
+
+def test_hsdp_holds_a_later_backwards_reduce_outputs_to_the_end_of_backward():
+    # HSDP (torch 2.13 foreach_reduce's all-reduce branch: all_reduce_input = reduce_output,
+    # held by the unit's _all_reduce_state until FSDPParamGroup.finalize_backward): in the
+    # step's first backward the reduce outputs are the gradients (nothing more); in a second
+    # one each unit's output (88, 96 and 80 B, as above) stays until the end of backward
+    model = _Tiny().to(device="meta", dtype=torch.bfloat16)
+    gathers = Zero3Gathers(fsdp2_group=2, replicas=2).install(model)
+    tracer = MemoryTracer(rounding=None, devices={"meta"})
+    tracer.track_external(model)
+    tokens = torch.zeros(1, 3, dtype=torch.long, device="meta")
+    with tracer:
+        model(tokens).backward()
+        first = len(tracer.events)
+        model(tokens).backward()
+    gathers.remove()
+    ours = {e.storage_id for e in tracer.events if e.action == "alloc"
+            and e.category is Category.GRADIENT and e.op == "aten::empty.memory_format"}
+    second = [(e.action, e.nbytes) for e in tracer.events[first:] if e.storage_id in ours]
+    assert second == [("alloc", 88), ("alloc", 96), ("alloc", 80), ("free", 88), ("free", 96),
+                      ("free", 80)]

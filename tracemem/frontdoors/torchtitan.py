@@ -101,7 +101,9 @@ HONOURED: dict[str, str] = {
                                     "graph (approximation: torchtitan_approximations)",
     "parallelism.data_parallel_shard_degree": "DP (with -1: the ranks left); ZeRO-3 shards "
                                               "over DP x CP",
-    "parallelism.data_parallel_replicate_degree": "1 only (REFUSED_WHEN)",
+    "parallelism.data_parallel_replicate_degree": "HSDP replicas: DP = replicate x shard; "
+                                                  "FSDP2 shards within a replica "
+                                                  "(num_distributed_optimizer_instances)",
     "parallelism.tensor_parallel_degree": "tp",
     "parallelism.enable_sequence_parallel": "sp (with tp > 1)",
     "parallelism.expert_parallel_degree": "ep (etp 1: EP borrows dp_shard x cp x tp)",
@@ -191,9 +193,6 @@ REFUSED_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
                                        "parameters); use bfloat16"),
     "training.mixed_precision_reduce": (lambda v: v != "float32",
                                         "torchtitan 0.3.0 allows only float32"),
-    "parallelism.data_parallel_replicate_degree": (
-        lambda v: v != 1, _NMY + "HSDP / DDP replicas (tracemem's ZeRO-3 shards over the "
-        "whole DP x CP group); use 1"),
     "parallelism.context_parallel_degree": (
         lambda v: v != 1, _NMY + "torch's context_parallel attention (its K / V rotation); "
         "use 1"),
@@ -553,7 +552,7 @@ def _degrees(par, world_size: int) -> dict[str, int]:
         raise TracememError(f"dp_replicate({rep}) * dp_shard({shard}) * tp({tp}) * cp({cp}) "
                             f"* pp({pp}) = {rep * shard * tp * cp * pp} != "
                             f"world_size({world_size}) (torchtitan's ParallelDims)")
-    return {"dp_shard": shard, "tp": tp, "cp": cp, "pp": pp}
+    return {"dp_shard": shard, "dp_replicate": rep, "tp": tp, "cp": cp, "pp": pp}
 
 
 def torchtitan_job_kwargs(config, *, world_size: int) -> dict[str, Any]:
@@ -580,7 +579,8 @@ def torchtitan_job_kwargs(config, *, world_size: int) -> dict[str, Any]:
         kernel_options["fused_qkv"] = False  # QKVLinear: wq, wk, wv apart
     tp = degrees["tp"]
     training = config.training
-    dp = degrees["dp_shard"]  # data_parallel_replicate_degree is 1 (REFUSED_WHEN)
+    # the batch is split over dp_replicate x dp_shard (ParallelDims.dp: the HSDP mesh)
+    dp = degrees["dp_shard"] * degrees["dp_replicate"]
     global_batch = training.global_batch_size
     if global_batch == -1:  # torchtitan's default: local x DP, one accumulation step
         global_batch = training.local_batch_size * dp
@@ -594,6 +594,9 @@ def torchtitan_job_kwargs(config, *, world_size: int) -> dict[str, Any]:
         "ep": par.expert_parallel_degree, "etp": 1, "pp": degrees["pp"], "zero": 3,
         "precision": "fsdp2", "kernels": "torch", "attention": "flash",
         **({"kernel_options": kernel_options} if kernel_options else {}),
+        # HSDP: FSDP2 within each replica (tracemem.parallel, tracemem.zero3)
+        **({"num_distributed_optimizer_instances": degrees["dp_replicate"]}
+           if degrees["dp_replicate"] > 1 else {}),
         "optimizer": _optimizer(config.optimizer), **recompute,
     }
 

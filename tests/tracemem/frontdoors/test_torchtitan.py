@@ -256,6 +256,28 @@ def test_registry_configs_give_these_jobs(tt, module, function, ac, world, expec
     assert job.microbatches == 1
 
 
+def test_hsdp_shards_within_a_replica(tt):
+    # --parallelism.data_parallel_replicate_degree 2 on 8 GPUs: dp_shard -1 = 8 / 2 = 4
+    # (ParallelDims), the batch over replicate x shard = 8 (local 8 -> G 64); FSDP2 shards over
+    # the 4 ranks of a replica (llama3/parallelize.py: the ["dp_replicate", "fsdp"] mesh), so
+    # the debug model's 6,163,712 parameters are 1,540,928 a rank, 16 B each
+    from tracemem.zero3 import Zero3Gathers, fsdp2_group
+
+    config = _config("llama3", "llama3_debugmodel_ce_loss")
+    config.parallelism.data_parallel_replicate_degree = 2
+    kwargs = tt.torchtitan_job_kwargs(config, world_size=8)
+    assert kwargs["num_distributed_optimizer_instances"] == 2
+    assert (kwargs["micro_batch_size"], kwargs["global_batch_size"]) == (8, 64)
+    job = tt.torchtitan_job(config, world_size=8)
+    assert job.parallel.dp == 8 and job.microbatches == 1
+    memory = _static(job)
+    assert (memory.param_bytes, memory.grad_bytes, memory.optimizer_bytes) == (
+        4 * 1_540_928, 4 * 1_540_928, 8 * 1_540_928)
+    assert fsdp2_group(job.parallel) == 4
+    gathers = Zero3Gathers.for_layout(job.parallel)
+    assert (gathers.fsdp2_group, gathers.replicas) == (4, 2)
+
+
 def test_debug_model_static_memory_is_fsdp2s_16_bytes(tt):
     # llama3 debugmodel (shapes above): embedding 2048 x 256 = 524,288, head 524,288; per
     # layer wqkv 256 x 768 196,608 + wo 65,536 + w1, w2, w3 3 x 196,608 + 2 norms 512 =
@@ -322,7 +344,6 @@ def test_selective_ac_options_other_than_the_router_gate_are_refused(tt):
     ("compile", "enable", True, r"--compile.enable True: torch.compile: AOTAutograd's"),
     ("parallelism", "pipeline_parallel_schedule", "ZBVZeroBubble",
      r"pipeline_parallel_schedule ZBVZeroBubble: not modelled yet"),
-    ("parallelism", "data_parallel_replicate_degree", 2, r"HSDP / DDP replicas"),
     ("parallelism", "context_parallel_degree", 2, r"context_parallel_degree 2"),
     ("parallelism", "fsdp_reshard_after_forward", "never", r"never: every block kept"),
     ("training", "dtype", "bfloat16", r"--training.dtype 'bfloat16': not modelled yet"),
