@@ -153,8 +153,8 @@ def _part_of(module: str) -> str:
     parts = module.split(".")
     if parts[0] == "layers":
         return f"layer {parts[1]}"
-    if parts[0] == "mtp":
-        return f"mtp {parts[1]}"
+    if parts[0] == "mtp" and len(parts) > 1:
+        return f"mtp {parts[1]}"  # (bare "mtp": MTPBlock's concatenation, the loss's input)
     if parts[0] in ("embed", "position_embed"):  # word and learned position embeddings
         return "embedding"
     return "loss"  # final norm, head, loss (and top-level glue)

@@ -35,8 +35,8 @@ from modeling.parallel.plans import LocalSizes
 from modeling.common.routing import RoutingModel
 from tracemem.errors import TracememError
 
-__all__ = ["Transformer", "MTPModule", "MTP_LOSS_WEIGHT", "build_model", "cast_parameters",
-           "resolve_experts"]
+__all__ = ["Transformer", "MTPModule", "MTPBlock", "MTP_LOSS_WEIGHT", "build_model",
+           "cast_parameters", "resolve_experts"]
 
 # DeepSeek-V3 technical report (arXiv 2412.19437), section 4.2: the MTP loss weight is 0.3 for
 # the first 10T training tokens and 0.1 afterwards.
@@ -65,8 +65,15 @@ class MTPModule(nn.Module):
         set_component(self.block, "mtp_layer")
         self.norm = make_norm(cfg, h, kernels, group=norm)
 
-    def forward(self, hidden: Tensor, embedded: Tensor, routing: RoutingModel) -> Tensor:
-        """``hidden``, ``embedded``: this rank's tokens ``(b, s_local, h)``."""
+    def forward(self, hidden: Tensor, embedded: Tensor, routing: RoutingModel,
+                embed=None, shift: int = 0) -> Tensor:
+        """``hidden``, ``embedded``: this rank's tokens ``(b, s_local, h)``. With ``embed``
+        (the model's embedding, a function of token ids), ``embedded`` are token ids ``(b,
+        s)``, rolled by ``shift`` and embedded here, as Megatron-Core's
+        ``MultiTokenPredictionLayer._get_embeddings`` rolls its input ids and calls the
+        embedding inside the layer (the megatron orchestration)."""
+        if embed is not None:
+            embedded = embed(embedded.roll(shift, dims=1))
         sp, tp = self.sizes.sp, self.sizes.tp
         x = torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1)  # (b, s_local, 2h)
         # column-parallel eh_proj (Megatron-Core multi_token_prediction.py): gather the
@@ -76,6 +83,18 @@ class MTPModule(nn.Module):
         else:
             x = all_gather(self.eh_proj(all_gather(x, sp, dim=1)), tp, dim=-1)
         return self.norm(self.block(reduce_scatter(x, sp, dim=1), routing))
+
+
+class MTPBlock(nn.ModuleDict):
+    """The MTP modules by depth (``"0"``, ``"1"``, ...); called on the decoder's and each
+    depth's hidden states it concatenates them, as Megatron-Core's
+    ``MultiTokenPredictionBlock.forward`` does (``torch.cat(hidden_states_list)``: Megatron-LM
+    d98e8a6 and megatron-core 0.16.1, transformer/multi_token_prediction.py): here along b,
+    Megatron's ``[s, b, h]`` along s, the same contiguous chunks (``Transformer.
+    _megatron_mtp_loss``)."""
+
+    def forward(self, hiddens: list[Tensor]) -> Tensor:
+        return torch.cat(hiddens, dim=0)
 
 
 class Transformer(nn.Module):
@@ -155,7 +174,7 @@ class Transformer(nn.Module):
                                           reshard_after_forward=False)
             if cfg.tie_word_embeddings and self.embed is not None:
                 self.head.weight = self.embed.weight
-            self.mtp = nn.ModuleDict({
+            self.mtp = MTPBlock({
                 str(i): declare_fsdp_unit(MTPModule(cfg.num_layers + i, cfg, attention,
                                                     experts, sizes, kernels, replace, rank))
                 for i in range(cfg.num_mtp_modules)})
@@ -245,12 +264,15 @@ class Transformer(nn.Module):
         positions = self._positions(labels)
         for depth, module in enumerate(self.mtp.values(), start=1):
             rolled = None if positions is None else positions.roll(-depth, dims=1)
-            # the MTP embeds the following tokens: the labels, rolled further
-            outs.append(module(outs[-1], self._embed(labels.roll(-(depth - 1), dims=1),
-                                                      rolled), routing))
-        parts = torch.cat(outs, dim=0).chunk(len(outs), dim=0)
+            # the MTP embeds the following tokens: the labels, rolled further (inside the
+            # layer, as MultiTokenPredictionLayer._get_embeddings)
+            outs.append(module(outs[-1], labels, routing,
+                               embed=lambda tokens, rolled=rolled: self._embed(tokens, rolled),
+                               shift=-(depth - 1)))
+        parts = self.mtp(outs).chunk(len(outs), dim=0)  # MultiTokenPredictionBlock's cat
+        del outs  # its hidden_states_list, freed when it returns: the MTP outputs go
         main = parts[0]
-        for depth in range(1, len(outs)):
+        for depth in range(1, len(parts)):
             mtp_loss = MTP_LOSS_WEIGHT * self._loss(parts[depth], labels.roll(-depth, dims=1))
             main = _MTPLossAutoScaler.apply(main, mtp_loss)
         return self._loss(main, labels)

@@ -810,7 +810,7 @@ def test_dualpipe_names_the_model_chunk_of_its_step_and_the_chunks_a_rank_holds(
     legend = next(line for line in out.splitlines() if line.startswith("at step:"))
     assert legend == (
         "at step: the schedule step running at the peak, model chunk + kind + microbatch: "
-        "3F6 = model chunk 3, forward, microbatch 6 (F = forward, B = backward); under "
+        "0B0 = model chunk 0, backward, microbatch 0 (F = forward, B = backward); under "
         "dualpipe each rank holds 2 model chunks, stage s chunks s and 3 - s.")
 
 

@@ -11,6 +11,7 @@ Megatron-Core source; every layout of `tracemem validate --against megatron-core
 installs it.
 """
 
+import dataclasses
 import importlib
 import inspect
 
@@ -144,10 +145,11 @@ def every_layout():
 
 
 def test_every_layout_of_the_command_differs_only_by_the_residue(every_layout):
-    assert len(every_layout) == len(ORACLE_CASES) == 19
+    assert len(every_layout) == len(ORACLE_CASES) == 20
     for result in every_layout:
         assert result.unexplained == [], result.case.name
-        parts = {-1, 0, 1, 2, 3} if result.case.whole else {0, 1, 2}
+        parts = ({-1, 0, 1, 2, 3} | ({4} if result.case.mtp else set()) if result.case.whole
+                 else {0, 1, 2})
         assert set(result.megatron) == set(result.tracemem) == parts
 
 
@@ -169,6 +171,28 @@ def test_the_whole_models_residue_by_hand():
     one = ORACLE_CASES[-2]
     assert one.whole and one.tp == 1 and residue(one, -1) == []
     assert [r.kept for r in residue(one, 3)] == [60, 0]
+
+
+def test_the_mtp_rows_by_hand():
+    # b = 1, s = 16, TP 1; the MTP layer (MoE, 8 experts): RoPE emb 16 x 8 fp32, dispatcher
+    # probs 16 x 8 fp32 and routing map 16 x 8 bool kept, position_ids 16 int64 at its peak.
+    # Output part: the MTP loss kept (scaled per-token 16 x 4, rolled mask 16 x 8, num_tokens
+    # 8, the tracker 4 less tracemem's 4-B scalar); at its forward peak also 0.16.1's inline
+    # locals (mtp_logits 16 x 256 bf16, mtp_labels 16 x 8, the masked loss 16 x 4) and the MTP
+    # layer's three rows
+    case = ORACLE_CASES[-3]
+    assert case.whole and case.mtp and case.tp == 1
+    cfg = dataclasses.replace(compare.oracle_model_config(), num_mtp_modules=1)
+
+    def total(layer):
+        rows = residue(case, layer, cfg)
+        return tuple(sum(getattr(r, a) for r in rows) for a in
+                     ("kept", "forward_peak", "backward_peak"))
+    assert total(4) == (512 + 512 + 128, 512 + 128 + 16 * 8, 0) == (1_152, 768, 0)
+    mtp_loss = 16 * 4 + 16 * 8 + 8 + 4 - 4
+    assert total(3) == (16 * 4 - 4 + mtp_loss,
+                        -2 * 16 * 4 + 1_152 + 16 * 256 * 2 + 16 * 8 + 16 * 4 + mtp_loss,
+                        -16 * 4) == (260, 9_608, -64)
 
 
 def test_a_planted_difference_fails_the_command(monkeypatch):

@@ -21,7 +21,11 @@ counterpart on the other.
 ``OracleCase(whole=True)`` runs the whole model instead, from token ids and labels to the
 loss (``GPTModel(pre_process=True, post_process=True)``; tracemem's ``megatron-te`` with
 ``cross_entropy_fusion="none"``, Megatron-Core's default loss), with two more parts: -1 the
-embedding and ``num_layers`` the output part (final norm, output layer, loss).
+embedding and ``num_layers`` the output part (final norm, output layer, loss);
+``mtp=True`` adds one MTP layer (``--mtp-num-layers 1``: Megatron-Core's
+``MultiTokenPredictionBlock`` from ``get_gpt_mtp_block_spec_for_backend`` with the oracle's
+leaves; tracemem's ``Transformer._megatron_mtp_loss``), part ``num_layers + 1``, which also
+takes the embedding's storages made after the decoder began (the MTP layer's embedding call).
 
 Every known difference is a row of ``RESIDUE`` (tensor, where, bytes as formulas of the
 layout, storages, reason); ``unexplained`` lists what the rows do not explain and
@@ -64,12 +68,13 @@ class OracleCase:
     seq_length: int = 16
     whole: bool = False  # the whole model: embedding, layers, final norm, output layer, loss
     shared_expert_overlap: bool = True  # --moe-shared-expert-overlap (off for shared_experts)
+    mtp: bool = False  # with whole: one MTP layer (--mtp-num-layers 1)
 
     @property
     def name(self) -> str:
         rec = {"none": "", "full": ", full recompute"}.get(
             self.recompute, f", selective {'+'.join(self.modules)}")
-        whole = ", whole model" if self.whole else ""
+        whole = (", whole model" + (" with MTP" if self.mtp else "")) if self.whole else ""
         overlap = "" if self.shared_expert_overlap else ", no shared-expert overlap"
         return (f"TP{self.tp}{'+SP' if self.sp else ''} EP{self.ep} ETP{self.etp}{rec}"
                 f"{overlap}{whole}")
@@ -98,6 +103,7 @@ ORACLE_CASES: tuple[OracleCase, ...] = (
     OracleCase(tp=2, sp=True, ep=4, recompute="selective", modules=("shared_experts",),
                shared_expert_overlap=False),
     OracleCase(tp=2, sp=True, ep=4, etp=2, recompute="full"),
+    OracleCase(whole=True, mtp=True),
     OracleCase(whole=True),
     OracleCase(tp=2, sp=True, ep=4, whole=True),
 )
@@ -179,8 +185,10 @@ class _Dims:
     d_r: int
     n: int
     qkv: int
-    part: str = "layer"  # or, for the whole model, "embedding" / "output" (norm, head, loss)
+    part: str = "layer"  # or, for the whole model, "embedding" / "output" (norm, head,
+    # loss) / "mtp" (the MTP layer)
     h: int = 0  # hidden size
+    vocab: int = 0  # the output layer's vocabulary on this rank (V / TP)
 
 
 @dataclass(frozen=True)
@@ -239,7 +247,8 @@ _MLA_UP_PROJ_RESTORE_BACKWARD = {0: 912, 1: 0, 2: 768}
 
 RESIDUE: tuple[ResidueRule, ...] = (
     ResidueRule(
-        "RoPE cache emb [s, 1, 1, d_r] fp32", "every layer", lambda d: d.part == "layer",
+        "RoPE cache emb [s, 1, 1, d_r] fp32", "every layer (the MTP layer's too)",
+        lambda d: d.part in ("layer", "mtp"),
         kept=lambda d: d.s * d.d_r * 4, forward_peak=lambda d: d.s * d.d_r * 4,
         backward_peak=lambda d: 0, storages=lambda d: ((d.s * d.d_r * 4, "float32"),),
         reason="models/common/embeddings/rotary_pos_embedding.py RotaryEmbedding.forward is "
@@ -328,6 +337,53 @@ RESIDUE: tuple[ResidueRule, ...] = (
                "temporary alive); tracemem's _VocabParallelCrossEntropy peaks at the loss, "
                "holding sum_exp_logits, its log and the loss ([s, b] fp32 each): two more "
                "(modeling/kernels/loss.py; a fault of tracemem's, 2 x 4 B per token)"),
+    # the whole model with one MTP layer (OracleCase(whole=True, mtp=True)): b = 1
+    ResidueRule(
+        "position_ids [b, s] int64 rolled by the MTP layer", "MTP, forward",
+        lambda d: d.part == "mtp",
+        kept=lambda d: 0, forward_peak=lambda d: d.s * 8, backward_peak=lambda d: 0,
+        storages=lambda d: (),
+        reason="transformer/multi_token_prediction.py MultiTokenPredictionLayer._get_embeddings "
+               "rolls the batch's position_ids (roll_tensor) beside the input ids and returns "
+               "them with the hidden states; freed when MultiTokenPredictionBlock.forward "
+               "returns. tracemem's MLA models have no position ids (no position embedding)"),
+    ResidueRule(
+        "the MTP layer's RoPE cache, dispatcher probs and routing map in the output part's span",
+        "output, MTP", lambda d: d.part == "output" and d.case.mtp,
+        kept=lambda d: 0, forward_peak=lambda d: d.s * d.d_r * 4 + d.t * d.e * 4 + d.t * d.e,
+        backward_peak=lambda d: 0, storages=lambda d: (),
+        reason="the rows above on the MTP part (its RoPE emb, self.probs and self.routing_map), "
+               "counted again here: the output part's span runs from the decoder's final norm, "
+               "before the MTP layer, to the main loss, so they are born in it and alive at its "
+               "forward peak"),
+    ResidueRule(
+        "megatron-core 0.16.1's inline MTP loss: mtp_logits [s, b, V / TP] bf16, the rolled "
+        "mtp_labels [b, s] int64 and the masked loss [b, s] fp32 held to the end",
+        "output, MTP, forward", lambda d: d.part == "output" and d.case.mtp,
+        kept=lambda d: 0, forward_peak=lambda d: d.s * d.vocab * 2 + d.s * 8 + d.s * 4,
+        backward_peak=lambda d: 0, storages=lambda d: (),
+        reason="megatron-core 0.16.1 models/gpt/gpt_model.py GPTModel._postprocess runs the MTP "
+               "depth's output layer and loss in its own body: its locals mtp_logits, "
+               "mtp_labels and mtp_loss (loss_mask * mtp_loss) live until it returns, through "
+               "the main output layer and loss; Megatron-LM d98e8a6, which tracemem follows, "
+               "moved the loop into transformer/multi_token_prediction.py process_mtp_loss, "
+               "which frees them on return (a version difference, found by a traceback at the "
+               "free)"),
+    ResidueRule(
+        "the MTP loss kept for backward: the scaled per-token loss [b, s] fp32, the rolled loss "
+        "mask [b, s] int64, num_tokens int64 and the loss tracker [1] fp32 (tracemem: the "
+        "weighted mean, a scalar)", "output, MTP", lambda d: d.part == "output" and d.case.mtp,
+        kept=lambda d: d.s * 4 + d.s * 8 + 8 + 4 - 4,
+        forward_peak=lambda d: d.s * 4 + d.s * 8 + 8 + 4 - 4, backward_peak=lambda d: 0,
+        storages=lambda d: ((d.s * 4, "float32"), (d.s * 8, "int64"), (8, "int64")),
+        reason="GPTModel._postprocess (0.16.1; process_mtp_loss at d98e8a6): "
+               "MTPLossAutoScaler.apply(hidden_states, mtp_loss_scale * mtp_loss / num_tokens) "
+               "saves the scaled per-token loss, the division saves num_tokens (roll_tensor's "
+               "sum), loss_mask * mtp_loss saves the rolled mask; MTPLossLoggingHelper."
+               "save_loss_to_tracker keeps torch.zeros(mtp_num_layers) for logging (paired by "
+               "size with tracemem's saved scalar); tracemem's MTP loss kernel returns the mean "
+               "(modeling.kernels.loss.megatron_cross_entropy), weighted and saved by its "
+               "autoscaler"),
     ResidueRule(
         "GlobalMemoryBuffer 'mpu' [b * s * h] bf16 (the output layer's SP all-gather)",
         "output, SP", lambda d: d.part == "output" and d.case.sp,
@@ -347,10 +403,12 @@ def _dims(case: OracleCase, cfg, layer: int) -> _Dims:
     s = case.seq_length
     n = cfg.num_attention_heads // case.tp
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    part = ("embedding" if layer < 0 else "output" if layer >= cfg.num_layers else "layer")
-    return _Dims(case, layer, part == "layer" and cfg.is_moe_layer(layer), s,
+    part = ("embedding" if layer < 0 else "mtp" if layer > cfg.num_layers
+            else "output" if layer == cfg.num_layers else "layer")
+    return _Dims(case, layer, part in ("layer", "mtp") and cfg.is_moe_layer(layer), s,
                  s // case.tp if case.sp else s, cfg.num_routed_experts, cfg.qk_rope_head_dim,
-                 n, 2 * s * n * (2 * qk + cfg.v_head_dim), part, cfg.hidden_size)
+                 n, 2 * s * n * (2 * qk + cfg.v_head_dim), part, cfg.hidden_size,
+                 cfg.vocab_size // case.tp)
 
 
 def residue(case: OracleCase, layer: int, cfg=None) -> list[Residue]:
@@ -460,10 +518,15 @@ def _layer_bytes(tracer, layer_of: Callable[[str], int | None], params: dict[int
                       and layer_of(e.module) is not None
                       and 0 <= layer_of(e.module) < root[1]), 0)
         plain = layer_of
+        late = getattr(plain, "late", None)
 
         def layer_of(module, storage_id=None, _plain=plain):
             if module != "":
-                return _plain(module)
+                part = _plain(module)
+                if late is not None and part == root[0] \
+                        and start <= born.get(storage_id, 0) <= end_forward:
+                    return late  # the embedding called again in the forward: the MTP's
+                return part
             return root[0] if born.get(storage_id, start) < start else root[1]
     else:
         plain = layer_of
@@ -550,10 +613,12 @@ def _trace(model, run, x_shape, layer_of, param_layer_of, state=(),
 
 
 def _part_index(layers: str, embedding: tuple[str, ...], output: tuple[str, ...],
-                num_layers: int):
+                num_layers: int, mtp: tuple[str, ...] = ()):
     """The whole model's parts as ``_layer_bytes`` keys: -1 the embedding, each decoder layer
     its number, ``num_layers`` the final norm, output layer and loss (``output`` module
-    prefixes and the root module, where both sides compute the loss)."""
+    prefixes and the root module, where both sides compute the loss), ``num_layers + 1`` the
+    MTP (``mtp`` prefixes; with the embedding's storages made in the forward after the decoder
+    began: the MTP layer's embedding call, ``_layer_bytes``)."""
     layer_of = _layer_index(layers)
 
     def under(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -564,8 +629,11 @@ def _part_index(layers: str, embedding: tuple[str, ...], output: tuple[str, ...]
             return num_layers
         if under(module, embedding):
             return -1
+        if mtp and under(module, mtp):
+            return num_layers + 1
         return layer_of(module)
     of.root = (-1, num_layers)  # the root module's ops: split in time (_layer_bytes)
+    of.late = num_layers + 1 if mtp else None  # the embedding's later forward storages
     return of
 
 
@@ -594,7 +662,8 @@ def _run_tracemem(cfg, case: OracleCase, routing) -> dict[int, LayerBytes]:
     for block in model.layers.values():
         block.set_recompute(case.recompute, frozenset(case.modules))
     if case.whole:
-        part = _part_index("layers.", ("embed",), ("norm", "head"), cfg.num_layers)
+        part = _part_index("layers.", ("embed",), ("norm", "head"), cfg.num_layers,
+                           ("mtp",) if case.mtp else ())
         return _trace(model, lambda tokens, labels: model(tokens, labels, routing), None,
                       part, part, tokens=case.seq_length)
     layers = [model.layers[str(i)] for i in range(cfg.num_layers)]
@@ -626,13 +695,22 @@ def _run_megatron_quietly(cfg, case: OracleCase, routing) -> dict[int, LayerByte
     with patches.fake_process_groups(world_size=case.world_size, tp=case.tp, ep=case.ep,
                                      etp=case.etp), patches.applied():
         config = _megatron_config(cfg, case, **({"gradient_accumulation_fusion": True}
-                                                 if case.whole else {}))
+                                                 if case.whole else {}),
+                                  **({"mtp_num_layers": 1} if case.mtp else {}))
         patches.set_routing(routing)
+        specs = decoder_layer_specs(config)
+        mtp_spec = None
+        if case.mtp:  # gpt_layer_specs.py, with the oracle's leaves
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_mtp_block_spec_for_backend)
+            from tracemem.oracle.megatron_spec import TracememSpecProvider
+            mtp_spec = get_gpt_mtp_block_spec_for_backend(config, specs,
+                                                          backend=TracememSpecProvider())
         with torch.device("meta"):
-            model = GPTModel(config, decoder_layer_specs(config), vocab_size=cfg.vocab_size,
+            model = GPTModel(config, specs, vocab_size=cfg.vocab_size,
                              max_sequence_length=cfg.max_position_embeddings,
                              pre_process=case.whole, post_process=case.whole,
-                             position_embedding_type="none")
+                             position_embedding_type="none", mtp_block_spec=mtp_spec)
         for module in model.modules():
             if hasattr(module, "token_dispatcher"):  # the routing model's layer number
                 module.token_dispatcher.tracemem_layer = module.layer_number - 1
@@ -656,10 +734,16 @@ def _run_megatron_quietly(cfg, case: OracleCase, routing) -> dict[int, LayerByte
                 weight.main_grad = torch.empty(weight.shape, dtype=torch.float32,
                                                device="meta")
                 state = [*state, weight.main_grad]
+                # the batch's position_ids [b, s] int64 (the data loader's), which
+                # MultiTokenPredictionLayer rolls; unused without MTP (no position embedding)
+                positions = torch.zeros(1, case.seq_length, dtype=torch.long, device="meta") \
+                    if case.mtp else None
+                if positions is not None:
+                    state = [*state, positions]
                 part = _part_index("decoder.layers.", ("embedding",),
                                    ("decoder.final_layernorm", "output_layer"),
-                                   cfg.num_layers)
-                return _trace(model, lambda tokens, labels: model(tokens, None, None,
+                                   cfg.num_layers, ("mtp",) if case.mtp else ())
+                return _trace(model, lambda tokens, labels: model(tokens, positions, None,
                                                                   labels=labels),
                               None, part, part, state, tokens=case.seq_length)
             return _trace(model, run, (local, 1, cfg.hidden_size),
@@ -682,6 +766,10 @@ def run_case(case: OracleCase, cfg=None, routing=None) -> CaseResult:
         raise TracememError(f"recompute {case.recompute!r} is invalid; choose one of "
                             f"{', '.join(RECOMPUTE)}")
     cfg = cfg or oracle_model_config()
+    if case.mtp:
+        if not case.whole:
+            raise TracememError("an MTP oracle case runs the whole model (whole=True)")
+        cfg = dataclasses.replace(cfg, num_mtp_modules=1)
     routing = routing or Balanced()
     result = CaseResult(case, cfg)
     result.megatron = _run_megatron(cfg, case, routing)
@@ -695,7 +783,7 @@ def _part_name(result: CaseResult, layer: int) -> str:
     if layer < 0:
         return "embedding"
     if result.case.whole and layer >= (result.cfg or oracle_model_config()).num_layers:
-        return "output"
+        return "MTP" if layer > (result.cfg or oracle_model_config()).num_layers else "output"
     return str(layer)
 
 
