@@ -269,31 +269,37 @@ def test_fsdp2_later_backwards_accumulate_into_the_first_ones_gradients():
     # a second backward in the step (gradient accumulation): foreach_reduce's output is
     # added into sharded_param.grad in place and freed when it returns; zero_grad (the next
     # step) drops the gradients, and the backward after it makes them again
+    first, second, third = _sharded_gradient_events(replicas=1, zero_grad_before_third=True)
+    assert first == [("alloc", 88), ("alloc", 96), ("alloc", 80)]
+    assert second == [
+        ("alloc", 88), ("free", 88), ("alloc", 96), ("free", 96), ("alloc", 80), ("free", 80)]
+    # zero_grad frees the three; the third backward makes them again
+    assert third == [
+        ("free", 88), ("free", 96), ("free", 80), ("alloc", 88), ("alloc", 96), ("alloc", 80)]
+
+
+def _sharded_gradient_events(replicas: int, zero_grad_before_third: bool = False):
+    """_Tiny under FSDP2 over 2 ranks (``replicas`` HSDP replicas): (action, bytes) of the
+    fp32 sharded gradients Zero3Gathers makes, in each of three backwards (zero_grad before
+    the third when asked)."""
     model = _Tiny().to(device="meta", dtype=torch.bfloat16)
-    gathers = Zero3Gathers(fsdp2_group=2).install(model)
+    gathers = Zero3Gathers(fsdp2_group=2, replicas=replicas).install(model)
     tracer = MemoryTracer(rounding=None, devices={"meta"})
     tracer.track_external(model)
     tokens = torch.zeros(1, 3, dtype=torch.long, device="meta")
+    bounds = []
     with tracer:
-        model(tokens).backward()
-        first = len(tracer.events)
-        model(tokens).backward()
-        second = len(tracer.events)
-        gathers.zero_grad()
-        model(tokens).backward()
+        for step in range(3):
+            if step == 2 and zero_grad_before_third:
+                gathers.zero_grad()
+            model(tokens).backward()
+            bounds.append(len(tracer.events))
     gathers.remove()
-
     ours = {e.storage_id for e in tracer.events if e.action == "alloc"
             and e.category is Category.GRADIENT and e.op == "aten::empty.memory_format"}
-
-    def gradients(events):
-        return [(e.action, e.nbytes) for e in events if e.storage_id in ours]
-    assert gradients(tracer.events[:first]) == [("alloc", 88), ("alloc", 96), ("alloc", 80)]
-    assert gradients(tracer.events[first:second]) == [
-        ("alloc", 88), ("free", 88), ("alloc", 96), ("free", 96), ("alloc", 80), ("free", 80)]
-    # zero_grad frees the three; the third backward makes them again
-    assert gradients(tracer.events[second:]) == [
-        ("free", 88), ("free", 96), ("free", 80), ("alloc", 88), ("alloc", 96), ("alloc", 80)]
+    starts = [0] + bounds[:-1]
+    return [[(e.action, e.nbytes) for e in tracer.events[a:b] if e.storage_id in ours]
+            for a, b in zip(starts, bounds)]
 
 
 def test_fsdp2_world_size_1_divides_into_one_fp32_quotient():
@@ -349,18 +355,7 @@ def test_hsdp_holds_a_later_backwards_reduce_outputs_to_the_end_of_backward():
     # held by the unit's _all_reduce_state until FSDPParamGroup.finalize_backward): in the
     # step's first backward the reduce outputs are the gradients (nothing more); in a second
     # one each unit's output (88, 96 and 80 B, as above) stays until the end of backward
-    model = _Tiny().to(device="meta", dtype=torch.bfloat16)
-    gathers = Zero3Gathers(fsdp2_group=2, replicas=2).install(model)
-    tracer = MemoryTracer(rounding=None, devices={"meta"})
-    tracer.track_external(model)
-    tokens = torch.zeros(1, 3, dtype=torch.long, device="meta")
-    with tracer:
-        model(tokens).backward()
-        first = len(tracer.events)
-        model(tokens).backward()
-    gathers.remove()
-    ours = {e.storage_id for e in tracer.events if e.action == "alloc"
-            and e.category is Category.GRADIENT and e.op == "aten::empty.memory_format"}
-    second = [(e.action, e.nbytes) for e in tracer.events[first:] if e.storage_id in ours]
+    first, second, _ = _sharded_gradient_events(replicas=2)
+    assert first == [("alloc", 88), ("alloc", 96), ("alloc", 80)]
     assert second == [("alloc", 88), ("alloc", 96), ("alloc", 80), ("free", 88), ("free", 96),
                       ("free", 80)]
