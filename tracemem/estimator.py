@@ -512,8 +512,9 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
     Each microbatch gets its own copy of every storage. A storage of category ``gradient`` is
     a transient (it is added into a preallocated main-grad buffer and freed): its alloc is
     followed at once by its free; unless ``segments.transient_grads`` is False (FSDP2: the
-    trace frees its gradients itself, and keeps the sharded ones it makes). A free of a storage the replay does not hold (one allocated
-    before the segment, e.g. an external) is dropped. A second alloc of a held storage
+    trace frees its gradients itself, and keeps the sharded ones it makes). A free of a
+    storage the replay does not hold (one allocated before the segment, e.g. an external) is
+    dropped. A second alloc of a held storage
     (``resize_``) replaces the held record.
 
     With ``periodic``, the repeated stretches of the schedule (``tracemem.periodic``) are

@@ -154,8 +154,8 @@ class ParallelConfig:
     (Megatron's ``--num-distributed-optimizer-instances``: ZeRO 1 shards over DP x CP / N
     and EDP / N; ``GROUPS``; with ZeRO 3 and the ``fsdp2`` recipe, torchtitan's HSDP
     ``data_parallel_replicate_degree``: FSDP2 shards everything over DP x CP / N and
-    all-reduces the gradients across the N replicas). ``dp``, ``edp`` and ``precision_spec`` (the resolved
-    ``Precision``) are derived.
+    all-reduces the gradients across the N replicas). ``dp``, ``edp`` and ``precision_spec``
+    (the resolved ``Precision``) are derived.
 
     Use ``ParallelConfig.create(...)``, which validates against the model and derives the rest.
 
