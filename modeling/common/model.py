@@ -270,7 +270,7 @@ class Transformer(nn.Module):
                                embed=lambda tokens, rolled=rolled: self._embed(tokens, rolled),
                                shift=-(depth - 1)))
         parts = self.mtp(outs).chunk(len(outs), dim=0)  # MultiTokenPredictionBlock's cat
-        del outs  # its hidden_states_list, freed when it returns: the MTP outputs go
+        del outs  # MultiTokenPredictionBlock.hidden_states_list dies with it: the MTP outputs go
         main = parts[0]
         for depth in range(1, len(parts)):
             mtp_loss = MTP_LOSS_WEIGHT * self._loss(parts[depth], labels.roll(-depth, dims=1))
