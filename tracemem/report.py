@@ -306,7 +306,8 @@ def get_estimate(result, fits: Sequence[Any] | None = None) -> dict[str, Any]:
         "model": result.model,
         "parallel": {k: getattr(par, k) for k in ("world_size", "tp", "sp", "cp", "ep", "etp",
                                                    "pp", "vpp", "dp", "edp", "zero",
-                                                   "precision", "plan")}
+                                                   "precision", "plan",
+                                                   "num_distributed_optimizer_instances")}
         | {"pp_layout": list(par.pp_layout)},
         "settings": result.settings,
         "hbm_bytes": result.hbm_bytes,
@@ -412,7 +413,7 @@ def _legend(result, units: str, keys: Sequence[str] | None = None) -> list[str]:
     if fsdp2_group(par) is not None and not pp_keeps_gathered(par):
         line = (f"grads: FSDP2's, made in backward: the bf16 unsharded gradients until each "
                 f"unit's reduce-scatter, then its fp32 sharded ones ({g} B per parameter / "
-                f"the FSDP group), alive at the peak")
+                f"the FSDP group of {fsdp2_group(par)}), alive at the peak")
     elif g == 2 * p and par.zero != 2:
         line += ", hence twice params"
     elif par.zero == 2:
@@ -579,6 +580,17 @@ def _fp8_text(settings: dict) -> str:
     return f" (FP8 {options.get('fp8_format') or 'e4m3'}, {recipe})"
 
 
+def _replicas_text(par) -> str:
+    """`` (N replicas x M shards)`` after DP when the layout has N > 1 optimizer instances:
+    Megatron's distributed-optimizer instances under ZeRO 1, torchtitan's HSDP replicas under
+    ZeRO 3 (``tracemem.parallel.ParallelConfig``); else nothing."""
+    n = par.num_distributed_optimizer_instances
+    if n == 1:
+        return ""
+    what = "HSDP replicas" if par.zero == 3 else "optimizer instances"
+    return f" ({n} {what} x {par.dp_cp // n} shards)"
+
+
 def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = None,
                     wide: bool = False, hbm_from_gpu: str | None = None) -> str:
     """One row per rank class, in ``units`` (one of ``UNITS``, or "auto": ``pick_units`` of
@@ -595,7 +607,8 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
     headers = _estimate_headers(keys, result, units, wide)
     par, st = result.parallel, result.settings
     head = (f"{result.model}: world {par.world_size} (TP {par.tp}{' + SP' if par.sp else ''}, "
-            f"CP {par.cp}, PP {par.pp}, VPP {par.vpp}, DP {par.dp}; EP {par.ep}, ETP {par.etp}, "
+            f"CP {par.cp}, PP {par.pp}, VPP {par.vpp}, DP {par.dp}{_replicas_text(par)}; "
+            f"EP {par.ep}, ETP {par.etp}, "
             f"EDP {par.edp}), ZeRO-{par.zero}, {par.precision}; b={st['micro_batch_size']}, "
             f"s={st['seq_length']}, M={st['num_microbatches']}, {st['schedule']}, kernels "
             f"{st.get('kernels', 'eager')}{_fp8_text(st)}, recompute "

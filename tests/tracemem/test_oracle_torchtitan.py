@@ -210,7 +210,7 @@ def test_the_command_exits_0_when_itemised_and_1_on_a_planted_difference(results
                                               backward_peak=r.tracemem[4].backward_peak + 8)
     by_case[r.case] = planted
     text, code = oracle.run_command()
-    assert code == 1 and "FAIL:" in text and "llama3 FSDP2 TP1, part 4: backward_peak" in text
+    assert code == 1 and "FAIL:" in text and "llama3 dp_shard 2 TP1, part 4: backward_peak" in text
     text, code = oracle.run_command(json_out=True)
     assert code == 1 and '"unexplained"' in text
 

@@ -255,20 +255,69 @@ def torchtitan_config(module: str, config: str, overrides: Sequence[str] = ()):
         TracememError: torchtitan not importable; an unknown module or function, or an
             override tyro rejects (torchtitan's message, one line).
     """
+    import contextlib
+    import io
+
     check_importable()
     from torchtitan.config.manager import ConfigManager
 
     argv = ["--module", module, "--config", config, *overrides]
+    # tyro's usage box and torchtitan's warnings about files a memory estimate does not read
+    # (its checkpoint and tokenizer paths, through the root logger) go to stderr: captured,
+    # and on a rejection distilled into the one-line error
+    captured = io.StringIO()
     try:
-        return ConfigManager().parse_args(argv)
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+            return ConfigManager().parse_args(argv)
     except SystemExit as exc:  # tyro prints its usage and exits on a bad flag
+        own = sorted(a for a in overrides if a.startswith("--") and a.split("=")[0] in
+                     _tracemem_flags())
+        hint = (f"; tracemem's own flags ({', '.join(own)}) go before --torchtitan-module"
+                if own else "")
         raise TracememError(f"torchtitan {PIN} rejected its arguments "
                             f"{' '.join(overrides) or '(none)'} for --module {module} "
-                            f"--config {config} (tyro's message above)") from exc
+                            f"--config {config}: {_tyro_message(captured.getvalue())}"
+                            f"{hint}") from exc
     except (ValueError, ImportError, AttributeError, TypeError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
         raise TracememError(f"torchtitan {PIN} --module {module} --config {config}: "
                             f"{first}") from None
+
+
+def _tyro_message(text: str) -> str:
+    """What tyro printed (``text``: its usage box) as one clause: the unrecognized options or
+    the parse error, tyro's "perhaps you meant" options and, for a subcommand, the available
+    ones; "no message" when it printed none of these."""
+    import re
+
+    flat = " ".join(line.strip().strip("│╭╮╰╯─ ").strip() for line in text.splitlines())
+    flat = re.sub(r"\s+", " ", flat)
+    stop = r"(?= -{5,}|$)"
+    parts = []
+    for label, pattern in (("unrecognized", r"Unrecognized options: (.*?)" + stop),
+                           ("", r"(Error parsing .*?)" + stop)):
+        for match in re.finditer(pattern, flat):
+            parts.append(f"{label} {match.group(1).strip()}".strip())
+    meant = re.findall(r"(--[A-Za-z0-9_.-]+) [A-Z]+\b", flat.split("Perhaps you meant:", 1)[1]
+                       ) if "Perhaps you meant:" in flat else []
+    if meant:
+        parts.append("perhaps you meant " + " or ".join(dict.fromkeys(meant[:3])))
+    sub = re.search(r"Available subcommands: (.*?)" + stop, flat)
+    if sub and any(":" in p for p in parts[:1]):
+        parts.append("subcommands " + sub.group(1).strip().rstrip(","))
+    return "; ".join(parts) if parts else "no message"
+
+
+def _tracemem_flags() -> set[str]:
+    """Every option string of ``tracemem estimate`` (a tracemem flag typed among torchtitan's
+    overrides is torchtitan's there)."""
+    from tracemem.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if hasattr(a, "choices") and
+               isinstance(a.choices, dict) and "estimate" in a.choices)
+    return {opt for action in sub.choices["estimate"]._actions
+            for opt in action.option_strings}
 
 
 def _fields(obj) -> list[dataclasses.Field]:

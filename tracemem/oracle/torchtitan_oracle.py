@@ -72,7 +72,7 @@ class TitanCase:
     @property
     def name(self) -> str:
         sp = "+SP" if self.sp and self.tp > 1 else ""
-        return f"{self.module} FSDP{self.dp} TP{self.tp}{sp}"
+        return f"{self.module} dp_shard {self.dp} TP{self.tp}{sp}"
 
     def overrides(self) -> list[str]:
         """The torchtitan flags of this layout (``--section.option VALUE``)."""
@@ -438,7 +438,10 @@ def format_results(results: list[TitanResult]) -> str:
     rows = [[r.case.name, _part_name(r, i),
              *byte_cells(r.torchtitan[i], r.tracemem.get(i, LayerBytes(0, 0, 0, 0)))]
             for r in results for i in sorted(r.torchtitan)]
-    legend = ("Cells: equal bytes, or 'torchtitan / tracemem'. Rank 0 of each layout, b=1, "
+    legend = ("Cells: equal bytes, or 'torchtitan / tracemem'; kept: what the part's forward "
+              "made that is alive when the forward ends (saved for backward); the peaks are "
+              "above what was alive at the part's first allocation. dp_shard: FSDP2's shard "
+              "degree (data_parallel_shard_degree). Rank 0 of each layout, b=1, "
               "s=16, torchtitan 0.3.0 llama3 debugmodel (FlexAttention, CrossEntropyLoss, "
               "no activation checkpointing, no compile) under its own parallelize_llama "
               "(FSDP2) vs tracemem build_rank kernels=torch with Zero3Gathers. Parts: the "
@@ -459,7 +462,8 @@ def results_json(results: list[TitanResult]) -> list[dict]:
                                     for side, b in (("torchtitan", r.torchtitan),
                                                     ("tracemem", r.tracemem)) if i in b}
                  for i in sorted(r.torchtitan)}
-        out.append({"layout": r.case.name, "equal": r.equal, "unexplained": r.unexplained,
+        out.append({"layout": r.case.name, "equal": r.equal,
+                    "explained": not r.unexplained, "unexplained": r.unexplained,
                     "parts": parts})
     return out
 
@@ -476,6 +480,8 @@ def run_command(json_out: bool = False, cases=None) -> tuple[str, int]:
 
     results = [run_case(case) for case in (TITAN_CASES if cases is None else cases)]
     bad = [line for r in results for line in r.unexplained]
-    text = (json.dumps({"parts": results_json(results), "unexplained": bad}, indent=2)
+    text = (json.dumps({"ok": not bad, "parts": results_json(results), "unexplained": bad,
+                        "residue": [{"tensor": r.tensor, "where": r.where, "reason": r.reason}
+                                    for r in TITAN_RESIDUE]}, indent=2)
             if json_out else format_results(results))
     return text, 1 if bad else 0

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["SOURCE", "TitanRun", "RUNS", "NOT_EXPRESSED", "VERSION_DIFFERENCES", "run_job",
+__all__ = ["SOURCE", "JOB_TEXT", "TitanRun", "RUNS", "NOT_EXPRESSED", "VERSION_DIFFERENCES", "run_job",
            "score", "format_scores", "run_command"]
 
 SOURCE = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (repository "
@@ -84,6 +84,12 @@ VERSION_DIFFERENCES: tuple[tuple[str, str], ...] = (
 # tried and ruled out as the cause of the 8-GPU error (docs/validation.md): AdamW's state made
 # lazily at the first step (torch/optim/adam.py _init_group, zeros_like per parameter) into
 # the blocks the first step's activations freed, then a second step: +0.35 GiB reserved
+
+
+JOB_TEXT = ("Llama 3.1 8B (llama-3-8b's shapes, a RoPE table of 2 x seq rows), the world "
+            "size's FSDP (ZeRO-3, --precision fsdp2), local batch 2, seq 8192, --kernels torch "
+            "with fused_qkv off, --recompute selective --recompute-modules op, AdamW foreach "
+            "(--optimizer torch), --gpu H100 --hbm 96GB")
 
 
 def run_job(run: TitanRun):
@@ -144,7 +150,11 @@ def format_scores(scores: list[RunScore]) -> str:
     lines = [table, "",
              f"measured: {SOURCE}, Memory(GiB) = max_reserved over all GPUs (GiB, 2^30 B); "
              "reserved / allocated: tracemem's worst rank, simulated max_memory_reserved / "
-             "max_memory_allocated (GiB); error: reserved against measured.",
+             "max_memory_allocated (GiB); error: reserved against measured (a measured "
+             "comparison: no pass mark, the command exits 0); peak at: the schedule step at "
+             "tracemem's peak (0B0: microbatch 0's backward, its start).",
+             f"each run estimated: {JOB_TEXT} (the Job: tracemem.validation.torchtitan_runs."
+             f"run_job).",
              "Not expressed:", *(f"- {what}: {why}" for what, why in NOT_EXPRESSED),
              "What torchtitan 9dec370 did differently from the 0.3.0 that tracemem follows "
              "(the rest of each error is unexplained):",
@@ -159,10 +169,16 @@ def run_command(json_out: bool = False) -> tuple[str, int]:
 
     scores = score()
     if json_out:
-        return json.dumps([{"run": s.run.name, "world_size": s.run.world_size,
-                            "measured_gib": s.run.memory_gib,
-                            "reserved_bytes": s.reserved_bytes,
-                            "allocated_bytes": s.allocated_bytes,
-                            "error_pct": round(s.error_pct, 2), "peak_step": s.peak_step}
-                           for s in scores], indent=2), 0
+        return json.dumps({
+            "source": SOURCE, "job": JOB_TEXT,
+            "runs": [{"run": s.run.name, "world_size": s.run.world_size,
+                      "micro_batch_size": s.run.micro_batch_size,
+                      "seq_length": s.run.seq_length, "measured_gib": s.run.memory_gib,
+                      "reserved_bytes": s.reserved_bytes,
+                      "allocated_bytes": s.allocated_bytes,
+                      "error_pct": round(s.error_pct, 2), "peak_step": s.peak_step}
+                     for s in scores],
+            "not_expressed": [{"rows": what, "why": why} for what, why in NOT_EXPRESSED],
+            "version_differences": [{"what": what, "effect": effect}
+                                    for what, effect in VERSION_DIFFERENCES]}, indent=2), 0
     return format_scores(scores), 0
