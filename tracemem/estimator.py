@@ -251,7 +251,7 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
     # ZeRO-3: every unit's all-gathers are traced events (tracemem.zero3)
     # (not under torchtitan's PP + FSDP2: every unit stays gathered, static memory)
     # (torchtitan's FSDP2 recipe: FSDP2's own copy-in, flat and unsharded buffers)
-    gathers = Zero3Gathers.for_layout(par, zero3_prefetch).install(model) \
+    gathers = Zero3Gathers.for_layout(par, zero3_prefetch, model.kernels).install(model) \
         if par.zero == 3 and not pp_keeps_gathered(par) else None
     for module in model.modules():
         if isinstance(module, (Block, CustomBlock)):

@@ -43,7 +43,7 @@ from modeling.parallel.groups import numel_by_kind
 from modeling.params import count_by_component
 from tracemem.categories import Category
 from tracemem.precision import PRECISION_RECIPES, Precision
-from tracemem.zero3 import fsdp2_group, pp_keeps_gathered, pp_resident_bytes, unit_params
+from tracemem.zero3 import grads_traced, pp_keeps_gathered, pp_resident_bytes, unit_params
 
 __all__ = ["Precision", "PRECISION_RECIPES", "StaticMemory", "static_memory",
            "fused_wgrad_modules", "is_fused_wgrad", "MegatronBuffer", "megatron_buffers",
@@ -104,10 +104,11 @@ class StaticMemory:
             offloaded by ``--optimizer-cpu-offload`` (``tracemem.offload.offload_static``),
             all of it and its pinned part; 0 without offload.
         traced_grad_bytes: the part of ``grad_bytes`` the trace makes rather than static
-            memory holding it from the start: torchtitan's FSDP2 without PP
-            (``tracemem.zero3.fsdp2_group``), whose fp32 sharded gradients are born in the
-            step's first backward (``Zero3Gathers._reduce``); in ``total_bytes`` (the step's
-            end), not in a replay's floor (``held_grad_bytes``).
+            memory holding it from the start: torchtitan's FSDP2 without PP with
+            ``zero_grad(set_to_none=True)`` (``tracemem.zero3.grads_traced``), whose fp32
+            sharded gradients are born in the step's first backward
+            (``Zero3Gathers._reduce``); in ``total_bytes`` (the step's end), not in a replay's
+            floor (``held_grad_bytes``).
     """
 
     dense_params: int
@@ -506,8 +507,9 @@ def _static_memory(model: nn.Module, par, rank: int | None = None, *,
     if pp_keeps_gathered(par):  # torchtitan's PP + FSDP2: gathered through the step
         resident, gather = pp_resident_bytes(model, recipe), 0
     grads = sharded(recipe.grad_bytes, "gradients")
-    # torchtitan's FSDP2 without PP: the sharded gradients are the trace's (tracemem.zero3)
-    traced = grads if fsdp2_group(par) is not None and not pp_keeps_gathered(par) else 0
+    # torchtitan's FSDP2 without PP, zero_grad(set_to_none=True): the sharded gradients are
+    # the trace's (tracemem.zero3.grads_traced)
+    traced = grads if grads_traced(par, kernels) else 0
     return StaticMemory(dense, expert, sharded(recipe.param_bytes, "parameters") + resident[0],
                         grads + resident[1],
                         sharded(recipe.optimizer_bytes, "optimizer_states"),

@@ -87,14 +87,19 @@ Megatron-FSDP) a gather stays one flat buffer of the unit's parameters:
   the unit's fp32 sharded gradients (one flat buffer of the padded shards); at N = 1 one fp32
   quotient (``reduce_scatter_input / gradient_divide_factor``, torchtitan's factor 1.0). The
   first backward of a step keeps the reduce output as the parameters' gradients
-  (``new_sharded_grad`` views, ``Zero3Gathers.sharded_grads``) until ``zero_grad``
-  (torchtitan's ``optimizers.zero_grad()`` at the start of the next step); a later backward
-  of the same step adds into them and frees its own. The root's final callback, queued on the
+  (``new_sharded_grad`` views, ``Zero3Gathers.sharded_grads``) until ``zero_grad`` frees them
+  (``set_to_none=True``: torchtitan's ``training.disable_cuda_graphs``, the torch profile's
+  ``zero_grad_set_to_none``); a later backward of the same step adds into them and frees its
+  own. torchtitan's default, ``zero_grad(set_to_none=False)`` (trainer.py: ``set_to_none=
+  self.config.training.disable_cuda_graphs``), keeps them, zeroed, from one step to the next:
+  then they are static memory and every backward adds into them (``grads_kept``,
+  ``grads_traced``). The root's final callback, queued on the
   autograd engine at the first pre-backward (``FSDPState._pre_backward`` ->
   ``_register_root_post_backward_final_callback``), runs inside ``backward()``: the
   post-backward of units whose inputs need no gradient (the embedding), then the last input
   released. The estimator replays these gradients as traced (``Segments.transient_grads``
-  False) and takes them out of the replay's static floor (``StaticMemory.traced_grad_bytes``).
+  False) and, when the trace makes the sharded ones, takes them out of the replay's static
+  floor (``StaticMemory.traced_grad_bytes``).
 
 HSDP (``replicas`` > 1: torchtitan's ``data_parallel_replicate_degree``, the layout's
 ``num_distributed_optimizer_instances`` under ZeRO 3): FSDP2 shards within a replica
@@ -120,7 +125,7 @@ from tracemem.categories import Category
 from tracemem.tracer import MemoryTracer
 
 __all__ = ["zero3_units", "Zero3Gathers", "pp_keeps_gathered", "pp_resident_bytes",
-           "fsdp2_group"]
+           "fsdp2_group", "grads_traced"]
 
 # FSDP2's reduce_dtype under torchtitan (training.mixed_precision_reduce: only float32)
 REDUCE_DTYPE = torch.float32
@@ -145,6 +150,16 @@ def fsdp2_group(par) -> int | None:
     if par.zero != 3 or par.precision not in FSDP2_RECIPES:
         return None
     return par.shards("parameters", "dense")  # within a replica under HSDP
+
+
+def grads_traced(par, kernels) -> bool:
+    """Whether FSDP2's fp32 sharded gradients are the trace's, made by each step's first
+    backward (``Zero3Gathers._reduce``), rather than static memory held from the start: the
+    ``fsdp2`` recipe's ZeRO-3 without PP, with ``kernels`` (a profile) freeing them between
+    steps (``zero_grad_set_to_none``: torchtitan's ``training.disable_cuda_graphs``; its
+    default keeps them, zeroed)."""
+    return (fsdp2_group(par) is not None and not pp_keeps_gathered(par)
+            and bool(getattr(kernels, "zero_grad_set_to_none", False)))
 
 
 def pp_resident_bytes(model: nn.Module, recipe) -> tuple[int, int]:
@@ -217,7 +232,8 @@ class Zero3Gathers:
     """
 
     def __init__(self, prefetch: bool = True, keep_after_forward: frozenset[str] | None = None,
-                 fsdp2_group: int | None = None, replicas: int = 1):
+                 fsdp2_group: int | None = None, replicas: int = 1,
+                 grads_kept: bool = False):
         self.prefetch = prefetch
         self.keep_after_forward = keep_after_forward  # None: the units' declarations
         # FSDP2's own buffers over a shard group of this size (module docstring); None: one
@@ -227,6 +243,10 @@ class Zero3Gathers:
         # all-reduced across this many replicas, and held until the end of backward
         self.replicas = replicas
         self._all_reduce_held: dict[str, Tensor] = {}
+        # zero_grad(set_to_none=False) (torchtitan's default): the sharded gradients exist
+        # from an earlier step (static memory), so every backward's reduce output is added
+        # into them and freed
+        self.grads_kept = grads_kept
         self._params: dict[str, list[nn.Parameter]] = {}
         self._pending: dict[str, Tensor | None] = {}  # all-gathered, not yet copied out
         self._deferred: Tensor | None = None  # forward's last all-gather output
@@ -245,12 +265,15 @@ class Zero3Gathers:
         self.sharded_grads: dict[str, Tensor] = {}
 
     @classmethod
-    def for_layout(cls, par, prefetch: bool = True) -> Zero3Gathers:
+    def for_layout(cls, par, prefetch: bool = True, kernels=None) -> Zero3Gathers:
         """The gathers of layout ``par`` (a ``ParallelConfig``): FSDP2's own buffers under the
-        ``fsdp2`` recipe (``fsdp2_group``), one flat buffer per gather otherwise."""
+        ``fsdp2`` recipe (``fsdp2_group``), one flat buffer per gather otherwise; with the
+        sharded gradients kept between steps unless ``kernels`` (the model's profile) says
+        ``zero_grad_set_to_none`` (``grads_traced``)."""
         group = fsdp2_group(par)
         return cls(prefetch, fsdp2_group=group,
-                   replicas=par.num_distributed_optimizer_instances if group else 1)
+                   replicas=par.num_distributed_optimizer_instances if group else 1,
+                   grads_kept=group is not None and not grads_traced(par, kernels))
 
     def install(self, model: nn.Module) -> Zero3Gathers:
         units = unit_params(model)
@@ -437,7 +460,7 @@ class Zero3Gathers:
             quotient = self._empty(numel, REDUCE_DTYPE, Category.TEMPORARY, name)
             del quotient
         del last
-        if name in self.sharded_grads:
+        if self.grads_kept or name in self.sharded_grads:
             # a later backward of the step: sharded_param.grad._local_tensor +=
             # new_sharded_grad, in place; reduce_output is freed when foreach_reduce returns,
             # unless HSDP all-reduced it: then the unit's _all_reduce_state holds it

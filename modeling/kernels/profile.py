@@ -109,6 +109,12 @@ MEGATRON_TE_OPTIONS = {
 
 # torch options: name -> (allowed values, default, what selects it)
 TORCH_OPTIONS = {
+    "zero_grad_set_to_none": ((False, True), False,
+                              "torchtitan's optimizers.zero_grad(set_to_none=training."
+                              "disable_cuda_graphs) (torchtitan 0.3.0 trainer.py): False (its "
+                              "default, CUDA graphs on) keeps FSDP2's fp32 sharded gradients, "
+                              "zeroed, from one step to the next; True frees them, so each "
+                              "step's first backward makes them again (tracemem.zero3)"),
     "fused_qkv": ((True, False), True,
                   "torchtitan's qkv_linear: FusedQKVLinear (one wqkv GEMM, its output split "
                   "and copied: the fuse_qkv=True of torchtitan 0.3.0's llama3 and qwen3 "
@@ -125,6 +131,7 @@ class KernelProfile:
     name = "eager"
     orchestration = "eager"
     fused_qkv = False  # GQA's q, k, v as three GEMMs (wq, wk, wv); the torch profile fuses
+    zero_grad_set_to_none = False  # FSDP2's sharded gradients kept between steps (torch option)
 
     def __init__(self, **options):
         self.options = options
@@ -188,6 +195,12 @@ class TorchKernels(KernelProfile):
         """``TORCH_OPTIONS`` ``fused_qkv``: GQA's q, k, v in one GEMM (torchtitan's
         ``FusedQKVLinear``, ``modeling.common.attention.gqa``)."""
         return self.options.get("fused_qkv", True)
+
+    @property
+    def zero_grad_set_to_none(self) -> bool:
+        """``TORCH_OPTIONS`` ``zero_grad_set_to_none``: FSDP2's sharded gradients freed
+        between steps (made by each step's first backward) rather than zeroed and kept."""
+        return self.options.get("zero_grad_set_to_none", False)
 
     @property
     def loss_chunks(self) -> int:

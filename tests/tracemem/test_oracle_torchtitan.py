@@ -169,8 +169,10 @@ def test_sharded_gradients_stay_after_backward(results):
 
     cfg = results[1].cfg
     par = ParallelConfig.create(cfg, world_size=2, zero=3, precision="fsdp2")
-    model = build_rank(cfg, par, 0, dtype=torch.bfloat16, kernels=get_profile("torch"))
-    gathers = Zero3Gathers.for_layout(par).install(model)
+    # the first step (zero_grad(set_to_none=True), as the oracle traces it)
+    kernels = get_profile("torch", zero_grad_set_to_none=True)
+    model = build_rank(cfg, par, 0, dtype=torch.bfloat16, kernels=kernels)
+    gathers = Zero3Gathers.for_layout(par, kernels=kernels).install(model)
     tracer = MemoryTracer(rounding=None, devices={"meta"})
     tracer.track_external(model)
     tokens = torch.zeros(1, S, dtype=torch.long, device="meta")

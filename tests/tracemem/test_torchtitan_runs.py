@@ -24,6 +24,7 @@ def test_a_run_is_the_2024_job():
     assert (job.micro_batch_size, job.seq_length, job.microbatches) == (2, 8192, 1)
     assert job.parallel.precision == "fsdp2" and job.profile.name == "torch"
     assert job.profile.fused_qkv is False  # 9dec370's Attention: wq, wk, wv
+    assert job.profile.zero_grad_set_to_none is True  # 9dec370: optimizers.zero_grad()
     assert job.recompute == "selective" and tuple(job.recompute_modules) == ("op",)
     # freqs_cis of max_seq_len * 2 rows (9dec370 models/llama/model.py), Llama 3.1 8B's shapes
     cfg = job.config

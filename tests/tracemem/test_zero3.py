@@ -319,7 +319,7 @@ def test_fsdp2_world_size_1_divides_into_one_fp32_quotient():
 
 
 def test_fsdp2_estimate_replays_the_gradients_the_trace_makes():
-    # llama-tiny (h 64, 4 heads of 16, 2 KV heads, MLP 128, 4 layers, vocabulary 256; the
+    # zero_grad(set_to_none=True) (torchtitan's --training.disable_cuda_graphs). llama-tiny (h 64, 4 heads of 16, 2 KV heads, MLP 128, 4 layers, vocabulary 256; the
     # torch profile's fused wqkv (4 + 2 x 2) x 16 = 128 rows): 180,800 parameters, every
     # dim 0 a multiple of 4, so FSDP2 over 4 ranks pads nothing: 45,200 a rank. Two
     # microbatches (G 8 = b 1 x DP 4 x 2): the first backward makes the fp32 sharded
@@ -329,7 +329,8 @@ def test_fsdp2_estimate_replays_the_gradients_the_trace_makes():
     from tracemem.job import Job
 
     job = Job(model="llama-tiny", world_size=4, micro_batch_size=1, seq_length=32,
-              global_batch_size=8, zero=3, precision="fsdp2", kernels="torch")
+              global_batch_size=8, zero=3, precision="fsdp2", kernels="torch",
+              kernel_options={"zero_grad_set_to_none": True})  # disable_cuda_graphs
     traced, = trace_classes(job, rank_classes(job), TraceCache())
     static = traced.static
     assert static.traced_grad_bytes == static.grad_bytes == 4 * 45_200
@@ -359,3 +360,31 @@ def test_hsdp_holds_a_later_backwards_reduce_outputs_to_the_end_of_backward():
     assert first == [("alloc", 88), ("alloc", 96), ("alloc", 80)]
     assert second == [("alloc", 88), ("alloc", 96), ("alloc", 80), ("free", 88), ("free", 96),
                       ("free", 80)]
+
+
+def test_fsdp2_gradients_kept_between_steps_by_default():
+    # torchtitan's default zero_grad(set_to_none=False) (trainer.py: set_to_none =
+    # training.disable_cuda_graphs, False): the sharded gradients stay, zeroed, from the last
+    # step, static memory; every backward's reduce output (the same 16,384 + 4 x 37,376 +
+    # 16,896 B, rounded to 512 B) is added into them and freed, so none is alive after the step
+    from tracemem.estimator import TraceCache, floor_bytes, rank_classes, replay_events, \
+        trace_classes
+    from tracemem.job import Job
+
+    job = Job(model="llama-tiny", world_size=4, micro_batch_size=1, seq_length=32,
+              global_batch_size=8, zero=3, precision="fsdp2", kernels="torch")
+    traced, = trace_classes(job, rank_classes(job), TraceCache())
+    static = traced.static
+    assert static.traced_grad_bytes == 0 and static.held_grad_bytes == 4 * 45_200
+    assert floor_bytes(static) == 16 * 45_200 + static.buffer_bytes + static.workspace_bytes
+    made = freed = 0
+    live: dict = {}
+    for _, key, action, nbytes, event in replay_events(traced.steps, 1, traced.segments):
+        if event.category is Category.GRADIENT and event.op == "aten::empty.memory_format":
+            made += nbytes if action == "alloc" else 0
+        if action == "alloc":
+            live[key] = event
+        else:
+            live.pop(key, None)
+    assert made == 2 * (16_384 + 4 * 37_376 + 16_896)  # two microbatches' reduce outputs
+    assert not any(e.category is Category.GRADIENT for e in live.values())

@@ -627,6 +627,8 @@ def torchtitan_job_kwargs(config, *, world_size: int) -> dict[str, Any]:
     layers = list(config.model_spec.model.layers)
     if hasattr(layers[0].attention, "qkv_linear") and not _fused_qkv(config.model_spec):
         kernel_options["fused_qkv"] = False  # QKVLinear: wq, wk, wv apart
+    if config.training.disable_cuda_graphs:  # trainer.py: zero_grad(set_to_none=this)
+        kernel_options["zero_grad_set_to_none"] = True
     tp = degrees["tp"]
     training = config.training
     # the batch is split over dp_replicate x dp_shard (ParallelDims.dp: the HSDP mesh)
@@ -712,14 +714,9 @@ def torchtitan_approximations(config) -> list[str]:
         notes.append("training.disable_cuda_graphs False: forward + backward run as a CUDA "
                      "graph; its allocations are those of the eager step traced here, but "
                      "its private memory pool is not shared with the optimizer step (the "
-                     "reserved memory may be higher); gradients are zeroed, not freed "
-                     "(zero_grad(set_to_none=False)), so the sharded fp32 gradients are held "
-                     "through the step, as tracemem counts them")
-    else:
-        notes.append("training.disable_cuda_graphs True: zero_grad(set_to_none=True) frees "
-                     "the sharded gradients between steps; tracemem holds them through the "
-                     "step (an over-estimate of at most 4 B per sharded parameter before "
-                     "the backward makes them)")
+                     "reserved memory may be higher)")
+    # (disable_cuda_graphs True: zero_grad(set_to_none=True), traced: the sharded gradients
+    # made by the step's first backward, the torch profile's zero_grad_set_to_none)
     if config.parallelism.pipeline_parallel_degree > 1:
         notes.append("PP with FSDP2: the stage's bf16 unsharded parameters and fp32 unsharded "
                      "gradients are counted through the optimizer step too; they are freed "

@@ -220,8 +220,11 @@ def _run_tracemem(cfg, case: TitanCase) -> dict[int, LayerBytes]:
 
     par = ParallelConfig.create(cfg, world_size=case.world_size, tp=case.tp,
                                 sp=case.sp and case.tp > 1, zero=3, precision="fsdp2")
-    model = build_rank(cfg, par, 0, dtype=torch.bfloat16, kernels=get_profile("torch"))
-    gathers = Zero3Gathers.for_layout(par).install(model)
+    # one step from scratch: no gradients before it, as after torchtitan's
+    # zero_grad(set_to_none=True) (--training.disable_cuda_graphs; the first step of a run)
+    kernels = get_profile("torch", zero_grad_set_to_none=True)
+    model = build_rank(cfg, par, 0, dtype=torch.bfloat16, kernels=kernels)
+    gathers = Zero3Gathers.for_layout(par, kernels=kernels).install(model)
     part = _part_index("layers.", ("embed",), ("norm", "head"), cfg.num_layers)
     params = {k: v * 2 // case.dp for k, v in _param_bytes(model, part).items()}
     routing = Balanced()

@@ -15,7 +15,8 @@ local batch 2, sequence 8192 (the 9dec370 ``train_configs/llama3_8b.toml``), sel
 activation checkpointing with the "op" policy, AdamW (``foreach``: the 9dec370 default
 ``fused = false``). Each is a ``tracemem.job.Job`` of the ``torch`` profile under torchtitan's
 FSDP2 (``precision="fsdp2"``, ZeRO-3) with the 2024 model's separate ``wq``, ``wk``, ``wv``
-(``fused_qkv`` off) and its RoPE table of 2 x 8192 positions (``max_seq_len * 2``).
+(``fused_qkv`` off), its RoPE table of 2 x 8192 positions (``max_seq_len * 2``) and its
+``optimizers.zero_grad()``, torch's ``set_to_none=True`` (``zero_grad_set_to_none``).
 
 The runs predate torchtitan 0.3.0, which tracemem's torch profile and FSDP2 wrapping follow;
 ``VERSION_DIFFERENCES`` names what 9dec370 did differently and which way each moves the
@@ -88,8 +89,8 @@ VERSION_DIFFERENCES: tuple[tuple[str, str], ...] = (
 
 JOB_TEXT = ("Llama 3.1 8B (llama-3-8b's shapes, a RoPE table of 2 x seq rows), the world "
             "size's FSDP (ZeRO-3, --precision fsdp2), local batch 2, seq 8192, --kernels torch "
-            "with fused_qkv off, --recompute selective --recompute-modules op, AdamW foreach "
-            "(--optimizer torch), --gpu H100 --hbm 96GB")
+            "with fused_qkv off and zero_grad_set_to_none, --recompute selective "
+            "--recompute-modules op, AdamW foreach (--optimizer torch), --gpu H100 --hbm 96GB")
 
 
 def run_job(run: TitanRun):
@@ -104,7 +105,9 @@ def run_job(run: TitanRun):
     return Job(model=cfg, world_size=run.world_size, micro_batch_size=run.micro_batch_size,
                global_batch_size=run.micro_batch_size * run.world_size,
                seq_length=run.seq_length, zero=3, precision="fsdp2", kernels="torch",
-               kernel_options={"fused_qkv": False}, attention="flash",
+               # 9dec370's train.py: optimizers.zero_grad(), torch's set_to_none=True
+               kernel_options={"fused_qkv": False, "zero_grad_set_to_none": True},
+               attention="flash",
                recompute="selective", recompute_modules=("op",), optimizer="torch",
                gpu="H100", hbm="96GB")
 

@@ -37,7 +37,8 @@ from tracemem.static import static_memory
 def _static(job):
     from modeling.parallel.build import build_rank
 
-    return static_memory(build_rank(job.config, job.parallel, 0), job.parallel)
+    return static_memory(build_rank(job.config, job.parallel, 0, kernels=job.profile),
+                         job.parallel)
 
 
 def test_fsdp2_keeps_16_bytes_per_sharded_parameter_on_a_tiny_model():
@@ -52,9 +53,15 @@ def test_fsdp2_keeps_16_bytes_per_sharded_parameter_on_a_tiny_model():
     assert memory.dense_params == 180_800
     assert memory.param_bytes == 4 * 45_200  # fp32 sharded parameters
     assert memory.grad_bytes == 4 * 45_200  # fp32 sharded gradients (reduce_dtype)
-    # ... made by the first backward (FSDP2's reduce output, tracemem.zero3), not held from
-    # the start of the step: none in the replay's floor
-    assert memory.traced_grad_bytes == memory.grad_bytes and memory.held_grad_bytes == 0
+    # ... held from the start of the step under torchtitan's default zero_grad(set_to_none=
+    # False); with set_to_none (disable_cuda_graphs) made by the first backward (FSDP2's reduce
+    # output, tracemem.zero3): then none in the replay's floor
+    assert memory.traced_grad_bytes == 0 and memory.held_grad_bytes == memory.grad_bytes
+    job = Job(model="llama-tiny", world_size=4, micro_batch_size=1, seq_length=32,
+              num_microbatches=1, zero=3, precision="fsdp2", kernels="torch",
+              kernel_options={"zero_grad_set_to_none": True})
+    freed = _static(job)
+    assert freed.traced_grad_bytes == freed.grad_bytes and freed.held_grad_bytes == 0
     assert memory.optimizer_bytes == 8 * 45_200  # AdamW m, v in fp32; no master copy
     assert memory.param_bytes + memory.grad_bytes + memory.optimizer_bytes == 16 * 45_200
     # the bf16 copy of the largest unit while gathered: a decoder layer, 2 x 36,992
