@@ -241,6 +241,11 @@ class ParallelConfig:
         from tracemem.precision import FSDP2_RECIPES
 
         hsdp = self.zero == 3 and self.precision in FSDP2_RECIPES  # torchtitan's HSDP
+        if self.zero == 0:
+            raise TracememError(
+                f"{flag} {n} needs the distributed optimizer (Megatron-LM d98e8a6 "
+                f"distributed_data_parallel.py: 'Partial DistOpt cannot be used without "
+                f"DistOpt'); use --zero 1 or {flag} 1")
         if self.zero in (2, 3) and not hsdp:
             raise TracememError(
                 f"{flag} {n} with --zero {self.zero} is Megatron-FSDP's HSDP "

@@ -99,3 +99,17 @@ def test_cli_flag(capsys):
                  "--num-distributed-optimizer-instances", "3"])
     assert code == 2
     assert "must divide DP x CP (8)" in capsys.readouterr().err
+
+
+def test_instances_need_the_distributed_optimizer():
+    # Megatron-LM d98e8a6 distributed_data_parallel.py: 'Partial DistOpt cannot be used
+    # without DistOpt'
+    import pytest as _pytest
+
+    from modeling import load_config
+    from tracemem.errors import TracememError
+    from tracemem.parallel import ParallelConfig
+
+    with _pytest.raises(TracememError, match=r"needs the distributed optimizer"):
+        ParallelConfig.create(load_config("llama-tiny"), world_size=8, zero=0,
+                              num_distributed_optimizer_instances=2)

@@ -591,6 +591,17 @@ def _degrees(par, world_size: int) -> dict[str, int]:
     rep, tp, cp, pp = (par.data_parallel_replicate_degree, par.tensor_parallel_degree,
                        par.context_parallel_degree, par.pipeline_parallel_degree)
     shard = par.data_parallel_shard_degree
+    # torchtitan 0.3.0 distributed/parallel_dims.py ParallelDims._validate
+    for name, degree in (("data_parallel_replicate_degree", rep),
+                         ("tensor_parallel_degree", tp), ("context_parallel_degree", cp),
+                         ("pipeline_parallel_degree", pp)):
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise TracememError(f"--parallelism.{name} {degree!r}: torchtitan requires >= 1 "
+                                f"(ParallelDims: 'Parallelism degree should be >= 1, except "
+                                f"for dp_shard')")
+    if isinstance(shard, bool) or not isinstance(shard, int) or (shard != -1 and shard < 1):
+        raise TracememError(f"--parallelism.data_parallel_shard_degree {shard!r}: torchtitan "
+                            f"requires -1 or >= 1 (ParallelDims: 'dp_shard must -1 or >=1.')")
     others = rep * tp * cp * pp
     if shard == -1:
         if world_size % others:

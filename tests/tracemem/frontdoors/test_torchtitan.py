@@ -428,3 +428,17 @@ def test_cli_static_reads_a_torchtitan_job(tt, capsys):
     # the debug model's 770,464 parameters per rank (above), 16 B each
     assert stage["param_bytes"] + stage["grad_bytes"] + stage["optimizer_bytes"] == \
         16 * 770_464
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("data_parallel_replicate_degree", 0, r"data_parallel_replicate_degree 0: torchtitan "
+                                          r"requires >= 1"),
+    ("data_parallel_replicate_degree", -1, r"requires >= 1"),
+    ("tensor_parallel_degree", 0, r"tensor_parallel_degree 0: torchtitan requires >= 1"),
+    ("data_parallel_shard_degree", 0, r"requires -1 or >= 1"),
+])
+def test_degrees_below_one_are_refused_as_torchtitan_does(tt, name, value, match):
+    # torchtitan 0.3.0 distributed/parallel_dims.py ParallelDims._validate
+    config = _config("llama3", "llama3_debugmodel_ce_loss")
+    setattr(config.parallelism, name, value)
+    _refused(tt, config, match)
