@@ -98,7 +98,9 @@ HONOURED: dict[str, str] = {
     "training.mixed_precision_param": "bfloat16 (the default): FSDP2's gathered bf16 copies",
     "training.mixed_precision_reduce": "float32 (its only choice): fp32 sharded gradients",
     "training.disable_cuda_graphs": "False (default): forward + backward captured as a CUDA "
-                                    "graph (approximation: torchtitan_approximations)",
+                                    "graph (approximation: torchtitan_approximations), "
+                                    "zero_grad(set_to_none=False) keeps FSDP2's sharded "
+                                    "gradients; True: the torch option zero_grad_set_to_none",
     "parallelism.data_parallel_shard_degree": "DP (with -1: the ranks left); ZeRO-3 shards "
                                               "over DP x CP",
     "parallelism.data_parallel_replicate_degree": "HSDP replicas: DP = replicate x shard; "
@@ -311,13 +313,9 @@ def _tyro_message(text: str) -> str:
 def _tracemem_flags() -> set[str]:
     """Every option string of ``tracemem estimate`` (a tracemem flag typed among torchtitan's
     overrides is torchtitan's there)."""
-    from tracemem.cli import build_parser
+    from tracemem.cli import _options, build_parser
 
-    parser = build_parser()
-    sub = next(a for a in parser._actions if hasattr(a, "choices") and
-               isinstance(a.choices, dict) and "estimate" in a.choices)
-    return {opt for action in sub.choices["estimate"]._actions
-            for opt in action.option_strings}
+    return _options(build_parser(), "estimate")
 
 
 def _fields(obj) -> list[dataclasses.Field]:
