@@ -282,8 +282,29 @@ def torchtitan_config(module: str, config: str, overrides: Sequence[str] = ()):
                             f"{hint}") from exc
     except (ValueError, ImportError, AttributeError, TypeError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
+        first = _shorten_available(str(first), config)
         raise TracememError(f"torchtitan {PIN} --module {module} --config {config}: "
                             f"{first}") from None
+
+
+def _shorten_available(message: str, config: str) -> str:
+    """torchtitan's "Config function ... not found ... Available config functions: [...]"
+    (``message``) with the list (every public name of the registry module, dozens) replaced
+    by the names closest to ``config`` and their count: the error stays one short line."""
+    import ast
+    import difflib
+
+    head, sep, tail = message.partition("Available config functions: ")
+    if not sep:
+        return message
+    try:
+        names = [n for n in ast.literal_eval(tail.strip()) if isinstance(n, str)]
+    except (ValueError, SyntaxError):
+        return message
+    close = difflib.get_close_matches(config, names, n=3, cutoff=0.5)
+    shown = close or [n for n in names if "debugmodel" in n][:3] or names[:3]
+    return (f"{head.strip().rstrip('.')}; {'closest' if close else 'e.g.'}: "
+            f"{', '.join(shown)} ({len(names)} names in the registry)")
 
 
 def _tyro_message(text: str) -> str:

@@ -442,3 +442,14 @@ def test_degrees_below_one_are_refused_as_torchtitan_does(tt, name, value, match
     config = _config("llama3", "llama3_debugmodel_ce_loss")
     setattr(config.parallelism, name, value)
     _refused(tt, config, match)
+
+
+def test_an_unknown_config_function_names_the_closest_in_one_short_line(tt):
+    from tracemem.frontdoors.torchtitan import torchtitan_config
+
+    with pytest.raises(TracememError) as info:
+        torchtitan_config("llama3", "llama3_debugmode")
+    message = str(info.value)
+    # torchtitan lists every public name of the registry module; the error keeps the closest
+    assert "closest: llama3_debugmodel," in message and "names in the registry)" in message
+    assert "'cast'" not in message and "\n" not in message and len(message) < 300
