@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="sequences per step (G); M = G / (b x DP), which must be an "
                            "integer (Megatron-LM's rule)")
     step.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
-                      help="pipeline schedule (default %(default)s)")
+                      help="pipeline schedule (default %(default)s; interleaved-1f1b "
+                           "when --vpp is above 1, as Megatron-LM)")
     step.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
                       help="activation recompute: full recomputes every decoder layer, "
                            "selective the --recompute-modules (default %(default)s)")
@@ -639,6 +640,16 @@ _FIELD_DESTS = {"deallocate_pipeline_outputs": "deallocate",
                                    "cp_comm_type", "attention_backend", *_FP8_DESTS)}
 
 
+def _schedule(args: argparse.Namespace) -> str:
+    """``--schedule`` as typed; not typed, ``interleaved-1f1b`` where ``--vpp`` is above 1 (as
+    Megatron-LM runs its interleaved schedule whenever a virtual pipeline size is set:
+    ``megatron/core/pipeline_parallel/schedules.py`` ``get_forward_backward_func``), else
+    the default ``1f1b``."""
+    if "schedule" in getattr(args, "given", set()) or (getattr(args, "vpp", None) or 1) <= 1:
+        return args.schedule
+    return "interleaved-1f1b"
+
+
 def _flag_fields(args: argparse.Namespace) -> dict:
     """The ``Job`` fields of tracemem's flags on ``args`` (those its command has)."""
     fields = {}
@@ -646,7 +657,7 @@ def _flag_fields(args: argparse.Namespace) -> dict:
         fields.update(
             micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
             num_microbatches=args.num_microbatches, global_batch_size=args.global_batch_size,
-            schedule=args.schedule, recompute=args.recompute,
+            schedule=_schedule(args), recompute=args.recompute,
             recompute_modules=tuple(args.recompute_modules or ("core_attn",)),
             recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers,

@@ -107,3 +107,15 @@ def test_units_whitelist():
     with pytest.raises(ValueError,
                        match="units='TB' is invalid; choose one of B, KiB, MiB, GiB, GB"):
         to_units(1, "TB")
+
+
+def test_vpp_without_a_schedule_runs_the_interleaved_schedule_as_megatron_does(capsys):
+    # Megatron-LM: a virtual pipeline size selects the interleaved schedule
+    # (schedules.py get_forward_backward_func); a typed --schedule is kept and checked
+    argv = ["estimate", "--model", "llama-tiny", "--world-size", "2", "--pp", "2", "--vpp", "2",
+            "--micro-batch-size", "1", "--seq-length", "16", "--num-microbatches", "4",
+            "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["schedule"] == "interleaved-1f1b"
+    assert main([*argv, "--schedule", "1f1b"]) == 2
+    assert "--vpp 2 needs --schedule interleaved-1f1b" in capsys.readouterr().err
