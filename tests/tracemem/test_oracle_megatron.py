@@ -145,7 +145,7 @@ def every_layout():
 
 
 def test_every_layout_of_the_command_differs_only_by_the_residue(every_layout):
-    assert len(every_layout) == len(ORACLE_CASES) == 20
+    assert len(every_layout) == len(ORACLE_CASES) == 22
     for result in every_layout:
         assert result.unexplained == [], result.case.name
         parts = ({-1, 0, 1, 2, 3} | ({4} if result.case.mtp else set()) if result.case.whole
@@ -171,6 +171,24 @@ def test_the_whole_models_residue_by_hand():
     one = ORACLE_CASES[-2]
     assert one.whole and one.tp == 1 and residue(one, -1) == []
     assert [r.kept for r in residue(one, 3)] == [60, 0]
+
+
+def test_the_native_fused_cross_entropy_rows_by_hand():
+    # b = 1, s = 16, V = 256 (128 a rank at TP 2). Backward: Megatron-Core's eager
+    # calculate_gradients keeps an arange 16 x 8 B and 1 - target_mask 16 x 4 B beside the
+    # bf16 gradient; tracemem's inductor buffers add the fp32 copy 16 x V / TP x 4 B. The
+    # default loss's two [s, b] fp32 forward temporaries do not apply
+    one, two = (c for c in ORACLE_CASES if c.cross_entropy == "native")
+    assert (one.tp, two.tp, two.sp) == (1, 2, True)
+
+    def total(case):
+        rows = residue(case, 3)
+        return tuple(sum(getattr(r, a) for r in rows) for a in
+                     ("kept", "forward_peak", "backward_peak"))
+    assert total(one) == (16 * 4 - 4, 0, -16 * 4 + 16 * 8 + 16 * 4 - 16 * 256 * 4) \
+        == (60, 0, -16_256)
+    assert total(two) == (16 * 4 - 4 + 2 * 16 * 64, 2 * 16 * 64,
+                          -16 * 4 + 16 * 8 + 16 * 4 - 16 * 128 * 4) == (2_108, 2_048, -8_064)
 
 
 def test_the_mtp_rows_by_hand():

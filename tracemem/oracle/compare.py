@@ -20,7 +20,10 @@ counterpart on the other.
 
 ``OracleCase(whole=True)`` runs the whole model instead, from token ids and labels to the
 loss (``GPTModel(pre_process=True, post_process=True)``; tracemem's ``megatron-te`` with
-``cross_entropy_fusion="none"``, Megatron-Core's default loss), with two more parts: -1 the
+``cross_entropy_fusion="none"``, Megatron-Core's default loss, or with
+``cross_entropy="native"`` ``--cross-entropy-loss-fusion --cross-entropy-fusion-impl native`` on
+both sides: ``fusions/fused_cross_entropy.py``, whose ``@jit_fuser`` bodies run eagerly under
+the tracer, a residue row), with two more parts: -1 the
 embedding and ``num_layers`` the output part (final norm, output layer, loss);
 ``mtp=True`` adds one MTP layer (``--mtp-num-layers 1``: Megatron-Core's
 ``MultiTokenPredictionBlock`` from ``get_gpt_mtp_block_spec_for_backend`` with the oracle's
@@ -69,12 +72,17 @@ class OracleCase:
     whole: bool = False  # the whole model: embedding, layers, final norm, output layer, loss
     shared_expert_overlap: bool = True  # --moe-shared-expert-overlap (off for shared_experts)
     mtp: bool = False  # with whole: one MTP layer (--mtp-num-layers 1)
+    # with whole: the loss (--cross-entropy-loss-fusion --cross-entropy-fusion-impl native:
+    # "native"; Megatron-Core's default vocab_parallel_cross_entropy: "none")
+    cross_entropy: str = "none"
 
     @property
     def name(self) -> str:
         rec = {"none": "", "full": ", full recompute"}.get(
             self.recompute, f", selective {'+'.join(self.modules)}")
-        whole = (", whole model" + (" with MTP" if self.mtp else "")) if self.whole else ""
+        whole = (", whole model" + (" with MTP" if self.mtp else "")
+                 + (f", {self.cross_entropy} fused cross entropy"
+                    if self.cross_entropy != "none" else "")) if self.whole else ""
         overlap = "" if self.shared_expert_overlap else ", no shared-expert overlap"
         return (f"TP{self.tp}{'+SP' if self.sp else ''} EP{self.ep} ETP{self.etp}{rec}"
                 f"{overlap}{whole}")
@@ -103,6 +111,8 @@ ORACLE_CASES: tuple[OracleCase, ...] = (
     OracleCase(tp=2, sp=True, ep=4, recompute="selective", modules=("shared_experts",),
                shared_expert_overlap=False),
     OracleCase(tp=2, sp=True, ep=4, etp=2, recompute="full"),
+    OracleCase(whole=True, cross_entropy="native"),
+    OracleCase(tp=2, sp=True, ep=4, whole=True, cross_entropy="native"),
     OracleCase(whole=True, mtp=True),
     OracleCase(whole=True),
     OracleCase(tp=2, sp=True, ep=4, whole=True),
@@ -329,7 +339,8 @@ RESIDUE: tuple[ResidueRule, ...] = (
                "whose backward makes a [b, s] fp32 gradient"),
     ResidueRule(
         "vocab_parallel_cross_entropy's [s, b] fp32 temporaries at the forward peak",
-        "output", lambda d: d.part == "output",
+        "output, Megatron-Core's default loss",
+        lambda d: d.part == "output" and d.case.cross_entropy == "none",
         kept=lambda d: 0, forward_peak=lambda d: -2 * d.s * 4, backward_peak=lambda d: 0,
         storages=lambda d: (),
         reason="tensor_parallel/cross_entropy.py VocabParallelCrossEntropy: the output "
@@ -337,6 +348,24 @@ RESIDUE: tuple[ResidueRule, ...] = (
                "temporary alive); tracemem's _VocabParallelCrossEntropy peaks at the loss, "
                "holding sum_exp_logits, its log and the loss ([s, b] fp32 each): two more "
                "(modeling/kernels/loss.py; a fault of tracemem's, 2 x 4 B per token)"),
+    ResidueRule(
+        "the fused cross entropy's backward run eagerly: the target update in place on the "
+        "softmax, with arange [N] int64 and 1 - target_mask [N] fp32 (tracemem: inductor's "
+        "functionalised fp32 copy [N, V / TP])",
+        "output, --cross-entropy-fusion-impl native, backward",
+        lambda d: d.part == "output" and d.case.cross_entropy == "native",
+        kept=lambda d: 0, forward_peak=lambda d: 0,
+        backward_peak=lambda d: d.s * 8 + d.s * 4 - d.s * d.vocab * 4,
+        storages=lambda d: (),
+        reason="fusions/fused_cross_entropy.py calculate_gradients is @jit_fuser "
+               "(torch.compile); torch 2.13 torch/_dynamo/convert_frame.py skips a frame while "
+               "a TorchDispatchMode is on the stack (any_torch_dispatch_mode_on_stack), so "
+               "under the oracle's tracer Megatron-Core runs it eagerly: "
+               "prepare_gradient_calculation_operands' arange and 1 - target_mask, the "
+               "index_put in place. tracemem's native kernel allocates what inductor's "
+               "generated code does on a GPU (modeling/kernels/loss.py "
+               "_FusedVocabParallelCrossEntropy: the index_put functionalised into an fp32 "
+               "copy, the arange fused); N = b x s. The forward's buffers agree in bytes"),
     # the whole model with one MTP layer (OracleCase(whole=True, mtp=True)): b = 1
     ResidueRule(
         "position_ids [b, s] int64 rolled by the MTP layer", "MTP, forward",
@@ -654,9 +683,9 @@ def _run_tracemem(cfg, case: OracleCase, routing) -> dict[int, LayerBytes]:
 
     par = ParallelConfig.create(cfg, world_size=case.world_size, tp=case.tp, sp=case.sp,
                                 ep=case.ep, etp=case.etp)
-    # Megatron-Core's default loss (no --cross-entropy-loss-fusion): its own
-    # tensor_parallel.vocab_parallel_cross_entropy, the profile's "none"
-    kernels = get_profile("megatron-te", cross_entropy_fusion="none",
+    # the case's loss: "none", Megatron-Core's default (no --cross-entropy-loss-fusion, its
+    # own tensor_parallel.vocab_parallel_cross_entropy), or "native" (fused_cross_entropy.py)
+    kernels = get_profile("megatron-te", cross_entropy_fusion=case.cross_entropy,
                           moe_shared_expert_overlap=case.shared_expert_overlap)
     model = build_rank(cfg, par, 0, dtype=torch.bfloat16, kernels=kernels)
     for block in model.layers.values():
@@ -696,7 +725,10 @@ def _run_megatron_quietly(cfg, case: OracleCase, routing) -> dict[int, LayerByte
                                      etp=case.etp), patches.applied():
         config = _megatron_config(cfg, case, **({"gradient_accumulation_fusion": True}
                                                  if case.whole else {}),
-                                  **({"mtp_num_layers": 1} if case.mtp else {}))
+                                  **({"mtp_num_layers": 1} if case.mtp else {}),
+                                  **({"cross_entropy_loss_fusion": True,
+                                      "cross_entropy_fusion_impl": case.cross_entropy}
+                                     if case.cross_entropy != "none" else {}))
         patches.set_routing(routing)
         specs = decoder_layer_specs(config)
         mtp_spec = None
@@ -835,8 +867,9 @@ def format_results(results: list[CaseResult]) -> str:
                                  f"{dtype} {list(shape)} made by {op} in {module}")
     legend = ("Cells: equal bytes, or 'Megatron-Core / tracemem'. Rank 0 of each layout, b=1, "
               "s=16, deepseek-tiny with 3 layers (layer 0 dense), megatron-te kernels "
-              "(cross_entropy_fusion none: Megatron-Core's default loss). 'whole model': "
-              "also the embedding and the output part (final norm, output layer, loss).")
+              "(cross_entropy_fusion none: Megatron-Core's default loss, unless the layout "
+              "names the native fused cross entropy). 'whole model': also the embedding and "
+              "the output part (final norm, output layer, loss).")
     return oracle_report(rows, "layer", legend, notes,
                          "The residue (Megatron-Core minus tracemem, by hand):", RESIDUE,
                          [line for r in results for line in r.unexplained],
