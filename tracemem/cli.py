@@ -830,6 +830,23 @@ def _torchtitan_job(args: argparse.Namespace, **fixed):
                            torchtitan_approximations(config))
     typed = _explicit(_flag_fields(args), args)
     typed.pop("world_size", None)
+    # a parallel degree is torchtitan's to set: its rules follow it (sequence parallelism
+    # with TP, the batch per data-parallel rank), which tracemem's flags would not
+    theirs = {"tp": "parallelism.tensor_parallel_degree",
+              "sp": "parallelism.enable_sequence_parallel",
+              "cp": "parallelism.context_parallel_degree",
+              "ep": "parallelism.expert_parallel_degree",
+              "pp": "parallelism.pipeline_parallel_degree",
+              "vpp": "parallelism.pipeline_parallel_layers_per_stage"}
+    for name, option in theirs.items():
+        if name in typed:
+            raise TracememError(
+                f"--{name} over a torchtitan job: give torchtitan's own --{option} after "
+                f"--torchtitan-config, so torchtitan's rules follow it (sequence parallelism "
+                f"with TP, the local batch per data-parallel rank)")
+    if "etp" in typed:
+        raise TracememError("--etp over a torchtitan job: torchtitan 0.3.0 runs its experts "
+                            "at ETP 1 (EP borrows dp_shard x cp x tp)")
     args.overrides = sorted(name for name, value in typed.items()
                             if name in kwargs and kwargs[name] != value)
     if {"num_microbatches", "global_batch_size"} & set(typed):
@@ -1383,6 +1400,8 @@ def _run_fit(args: argparse.Namespace) -> str:
 
     tracemem.fit.EXIT_ON_RAY_TIMEOUT = True  # a command: a hung ray.init ends it, one line
 
+    if isinstance(args.top, bool) or args.top < 1:  # before any tracing
+        raise TracememError(f"--top {args.top} must be a positive integer")
     space = search_space(pp_ends=args.pp_ends, **{
         name[len("space_"):]: value for name, value in vars(args).items()
         if name.startswith("space_")})
@@ -1414,8 +1433,6 @@ def _run_fit(args: argparse.Namespace) -> str:
         return format_fit_json(result)
     if args.csv:
         return format_fit_csv(result)
-    if isinstance(args.top, bool) or args.top < 1:
-        raise TracememError(f"--top {args.top} must be a positive integer")
     return format_fit(result, top=args.top, wide=args.wide)
 
 
@@ -1723,6 +1740,9 @@ def _run_validate_megatron(args: argparse.Namespace) -> str:
     if args.case:
         raise TracememError("--case names a CPU case; --against megatron-core runs its own "
                             "layouts (docs/validation.md)")
+    if args.ci_case or args.left_out:
+        raise TracememError("--ci-case and --left-out apply to --against megatron-ci; "
+                            "--against megatron-core runs its own layouts (docs/validation.md)")
     out, args.exit_code = run_command(json_out=args.json)
     return out
 

@@ -146,7 +146,8 @@ def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
     example = "80G" if flag == "--hbm" else "512M"  # a device's memory; an overhead
     raise TracememError(f"{flag} {_show(text)} is invalid; give a {'' if zero else 'positive '}"
                         f"size of whole bytes such as {example}iB (binary: KiB, MiB, GiB, TiB), "
-                        f"{example}B (decimal: kB, MB, GB, TB) or a byte count of 1 MiB or more")
+                        f"{example}B (decimal: kB, MB, GB, TB) or a byte count of 1 MiB or more"
+                        f"{' (or 0)' if zero else ''}")
 
 
 def _split_size(text: str) -> tuple[str, str | None]:

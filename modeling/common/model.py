@@ -23,7 +23,7 @@ from modeling.kernels import KernelProfile, get_profile
 from modeling.kernels.loss import chunked_cross_entropy
 from modeling.common.linear import Linear
 from modeling.common.norm import make_norm
-from modeling.parallel.collectives import all_gather, reduce_scatter
+from modeling.parallel.collectives import all_gather, reduce_scatter, scatter_to_sequence_parallel
 from modeling.parallel.groups import (
     column,
     declare_fsdp_unit,
@@ -82,7 +82,11 @@ class MTPModule(nn.Module):
             x = all_gather(self.eh_proj(x, "column", sp), tp, dim=-1)
         else:
             x = all_gather(self.eh_proj(all_gather(x, sp, dim=1)), tp, dim=-1)
-        return self.norm(self.block(reduce_scatter(x, sp, dim=1), routing))
+        # the sequence split: Megatron-Core's scatter_to_sequence_parallel_region, a view of
+        # the gathered projection (which it keeps alive); the torch orchestration's copy
+        split = scatter_to_sequence_parallel if self.kernels.orchestration == "megatron" \
+            else reduce_scatter
+        return self.norm(self.block(split(x, sp, dim=1), routing))
 
 
 class MTPBlock(nn.ModuleDict):

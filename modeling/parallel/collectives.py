@@ -1,5 +1,6 @@
 """Collectives of one rank, as autograd Functions that allocate the buffers a real run
-allocates, marked ``comm_buffer`` in the active ``MemoryTracer``.
+allocates, marked ``comm_buffer`` in the active ``MemoryTracer`` (Megatron's scatter to the
+sequence-parallel region allocates nothing: a view of this rank's slice).
 
 One process stands for one rank, so the data is not exchanged: an all-gather concatenates
 ``world`` copies of the local tensor, a reduce-scatter keeps a copy of this rank's slice, an
@@ -21,7 +22,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from tracemem.categories import Category
 from tracemem.tracer import MemoryTracer
 
-__all__ = ["all_gather", "reduce_scatter", "all_to_all"]
+__all__ = ["all_gather", "reduce_scatter", "scatter_to_sequence_parallel", "all_to_all"]
 
 
 # the collective whose stand-in ops run now: modeling.common.sac's op policy saves the
@@ -79,6 +80,24 @@ class _ReduceScatter(torch.autograd.Function):
         return _gather(grad, ctx.world, ctx.dim), None, None
 
 
+class _ScatterToSequenceParallel(torch.autograd.Function):
+    """Megatron-Core ``tensor_parallel/mappings.py`` ``_ScatterToSequenceParallelRegion``:
+    ``_split_along_first_dim`` returns ``input_[offset:offset + n].contiguous()``, a slice of
+    the first dimension of ``[s, b, h]``, contiguous already, so the same storage: the whole
+    input stays alive while the slice does. Backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, world: int, dim: int) -> Tensor:
+        ctx.world, ctx.dim = world, dim
+        part = x.narrow(dim, 0, x.shape[dim] // world)
+        # tracemem's (b, s, h) slices s contiguously only at b = 1; else a copy stands in
+        return part if part.is_contiguous() else _comm(part.clone())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _gather(grad, ctx.world, ctx.dim), None, None
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, rows_out: int) -> Tensor:
@@ -101,6 +120,14 @@ def reduce_scatter(x: Tensor, world: int, dim: int) -> Tensor:
     """Reduce-scatter along ``dim`` over ``world`` ranks: output ``world`` times shorter in
     ``dim``; its backward all-gathers. Identity when ``world`` is 1."""
     return x if world == 1 else _ReduceScatter.apply(x, world, dim)
+
+
+def scatter_to_sequence_parallel(x: Tensor, world: int, dim: int) -> Tensor:
+    """Megatron's ``scatter_to_sequence_parallel_region`` of ``x`` along ``dim``: this rank's
+    slice as a view of ``x`` (``_ScatterToSequenceParallel``: nothing allocated, ``x`` kept
+    alive by it; a copy where the slice is not contiguous, b > 1 in tracemem's (b, s, h)
+    layout); its backward all-gathers. Identity when ``world`` is 1."""
+    return x if world == 1 else _ScatterToSequenceParallel.apply(x, world, dim)
 
 
 def all_to_all(x: Tensor, rows_out: int) -> Tensor:

@@ -752,7 +752,7 @@ TINY_FLAGS = ["estimate", "--model", "deepseek-tiny", "--world-size", "2", "--pp
     (["--non-pytorch-memory", "-1MiB"], "--non-pytorch-memory '-1MiB' is invalid; give a size "
                                         "of whole bytes such as 512MiB (binary: KiB, MiB, GiB, "
                                         "TiB), 512MB (decimal: kB, MB, GB, TB) or a byte count "
-                                        "of 1 MiB or more"),
+                                        "of 1 MiB or more (or 0)"),
     # a small number without a unit is refused here as for --hbm (512 B of overhead is a slip)
     (["--non-pytorch-memory", "512"], "--non-pytorch-memory '512' is 512 bytes; give a unit, "
                                       "such as 512MB (decimal) or 512MiB (binary)"),

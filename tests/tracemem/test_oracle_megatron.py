@@ -145,7 +145,7 @@ def every_layout():
 
 
 def test_every_layout_of_the_command_differs_only_by_the_residue(every_layout):
-    assert len(every_layout) == len(ORACLE_CASES) == 22
+    assert len(every_layout) == len(ORACLE_CASES) == 23
     for result in every_layout:
         assert result.unexplained == [], result.case.name
         parts = ({-1, 0, 1, 2, 3} | ({4} if result.case.mtp else set()) if result.case.whole
@@ -211,6 +211,25 @@ def test_the_mtp_rows_by_hand():
     assert total(3) == (16 * 4 - 4 + mtp_loss,
                         -2 * 16 * 4 + 1_152 + 16 * 256 * 2 + 16 * 8 + 16 * 4 + mtp_loss,
                         -16 * 4) == (260, 9_608, -64)
+
+
+def test_the_mtp_rows_at_tp2_sp_by_hand():
+    # b = 1, s = 16, TP 2 + SP (T = 8 tokens a rank at the router). The MTP part: RoPE emb
+    # 16 x 8 fp32, probs 8 x 8 fp32 and routing map 8 x 8 bool as any MoE layer, and the MTP
+    # layer's own embedding call at TP 2: its mask 16 B kept, mask and masked input 16 x 9 B
+    # at the forward peak (where the routing map is 64 B and the position_ids 16 x 8 B)
+    case = next(c for c in ORACLE_CASES if c.mtp and c.tp == 2)
+    assert case.whole and case.sp
+    cfg = dataclasses.replace(compare.oracle_model_config(), num_mtp_modules=1)
+
+    def total(layer):
+        rows = residue(case, layer, cfg)
+        return tuple(sum(getattr(r, a) for r in rows) for a in
+                     ("kept", "forward_peak", "backward_peak"))
+    assert total(4) == (512 + 256 + 64 + 16, 512 + 64 + 16 * 8 + 16 * 9, 0) == (848, 848, 0)
+    # the output part's forward peak also holds the MTP embedding's mask: + 16 B
+    rows = {r.tensor: r for r in residue(case, 3, cfg)}
+    assert [r.forward_peak for t, r in rows.items() if "embedding call" in t] == [16]
 
 
 def test_a_planted_difference_fails_the_command(monkeypatch):

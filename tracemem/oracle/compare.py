@@ -113,6 +113,7 @@ ORACLE_CASES: tuple[OracleCase, ...] = (
     OracleCase(tp=2, sp=True, ep=4, etp=2, recompute="full"),
     OracleCase(whole=True, cross_entropy="native"),
     OracleCase(tp=2, sp=True, ep=4, whole=True, cross_entropy="native"),
+    OracleCase(tp=2, sp=True, ep=4, whole=True, mtp=True),
     OracleCase(whole=True, mtp=True),
     OracleCase(whole=True),
     OracleCase(tp=2, sp=True, ep=4, whole=True),
@@ -385,6 +386,20 @@ RESIDUE: tuple[ResidueRule, ...] = (
                "counted again here: the output part's span runs from the decoder's final norm, "
                "before the MTP layer, to the main loss, so they are born in it and alive at its "
                "forward peak"),
+    ResidueRule(
+        "the MTP layer's embedding call at TP > 1: VocabParallelEmbedding's input_mask [b, s] "
+        "bool kept, and at the forward peak its masked input [b, s] int64",
+        "MTP, TP > 1; the output part's forward peak (its span holds the MTP layer)",
+        lambda d: d.case.mtp and d.case.tp > 1 and d.part in ("mtp", "output"),
+        kept=lambda d: d.s if d.part == "mtp" else 0,
+        forward_peak=lambda d: d.s * 9 if d.part == "mtp" else d.s,
+        backward_peak=lambda d: 0,
+        storages=lambda d: ((d.s, "bool"),) if d.part == "mtp" else (),
+        reason="the embedding rows above (tensor_parallel/layers.py VocabParallelEmbedding."
+               "forward at TP > 1), for the embedding call MultiTokenPredictionLayer."
+               "_get_embeddings makes on the rolled input ids: its masked input pairs with "
+               "the rolled ids tracemem's embedding saves, its mask does not; the mask is still "
+               "alive at the output part's forward peak"),
     ResidueRule(
         "megatron-core 0.16.1's inline MTP loss: mtp_logits [s, b, V / TP] bf16, the rolled "
         "mtp_labels [b, s] int64 and the masked loss [b, s] fp32 held to the end",

@@ -129,11 +129,17 @@ def check_placement(name: str, pp: int, vpp: int) -> Placement:
     if name == "interleaved-1f1b" and vpp < 2:
         raise TracememError("--schedule interleaved-1f1b needs --vpp 2 or more; use 1f1b "
                             "for one model chunk per rank")
+    if name == "interleaved-1f1b" and pp < 2:
+        # Megatron-LM d98e8a6 megatron/training/arguments.py validate_args: "When interleaved
+        # schedule is used, pipeline-model-parallel size should be greater than 1"
+        raise TracememError(f"--vpp {vpp} (the interleaved 1F1B schedule) needs --pp 2 or "
+                            f"more, as Megatron-LM requires; got --pp {pp}")
     if chunks == 2 and vpp != 2:
         raise TracememError(f"--schedule {name} places two model chunks on every rank in a V; "
                             f"give --vpp 2 (and a layout of 2 * pp stages), not --vpp {vpp}")
     if chunks == 1 and vpp != 1:
-        hint = "interleaved-1f1b" if name != "dualpipe" else "dualpipev"
+        hint = ("dualpipev" if name == "dualpipe" else "interleaved-1f1b"
+                + (" (or zbv / dualpipev)" if vpp == 2 else ""))
         raise TracememError(f"--schedule {name} runs one model chunk per rank; --vpp {vpp} "
                             f"needs --schedule {hint}")
     if name == "dualpipe" and (pp < 2 or pp % 2):

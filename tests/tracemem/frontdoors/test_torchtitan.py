@@ -453,3 +453,15 @@ def test_an_unknown_config_function_names_the_closest_in_one_short_line(tt):
     # torchtitan lists every public name of the registry module; the error keeps the closest
     assert "closest: llama3_debugmodel," in message and "names in the registry)" in message
     assert "'cast'" not in message and "\n" not in message and len(message) < 300
+
+
+def test_a_parallel_degree_over_a_torchtitan_job_is_torchtitans_flag(tt, capsys):
+    # tracemem's --tp would keep the global batch and leave SP off; torchtitan's own flag
+    # gives TP with sequence parallelism and the local batch per DP rank
+    from tracemem.cli import main
+
+    code = main(["estimate", "--world-size", "8", "--tp", "2", "--torchtitan-module",
+                 "llama3", "--torchtitan-config", "llama3_debugmodel_ce_loss"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "give torchtitan's own --parallelism.tensor_parallel_degree" in err

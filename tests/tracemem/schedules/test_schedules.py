@@ -50,7 +50,10 @@ def test_interleaved_golden_order_and_inflight_counts():
     ("interleaved-1f1b", 4, 2, 6, "--num-microbatches 6 must be a multiple of --pp 4 for the "
                                   "interleaved schedule \\(Megatron-LM rejects it\\); try 8"),
     ("interleaved-1f1b", 4, 1, 8, "--schedule interleaved-1f1b needs --vpp 2 or more"),
-    ("1f1b", 4, 2, 8, "--vpp 2 needs --schedule interleaved-1f1b"),
+    ("1f1b", 4, 2, 8, "--vpp 2 needs --schedule interleaved-1f1b \\(or zbv / dualpipev\\)"),
+    ("1f1b", 4, 3, 8, "--vpp 3 needs --schedule interleaved-1f1b$"),
+    # Megatron-LM validate_args: the interleaved schedule needs PP > 1
+    ("interleaved-1f1b", 1, 2, 4, "--vpp 2 \\(the interleaved 1F1B schedule\\) needs --pp 2"),
     ("1f1b", 4, 1, 0, "--num-microbatches 0 must be a positive integer"),
 ])
 def test_rejected_schedules(name, pp, vpp, m, message):
