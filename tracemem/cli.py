@@ -364,8 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
         "validate", help="run the validation cases for real on CPU under torch.profiler and "
                          "traced on meta, a loop of 3 steps each, and print both peaks and "
                          "whether the same storages are alive after every step")
-    validate.add_argument("--case", action="append", choices=[c.name for c in CASES],
-                          help="a case to run (repeatable; default: all)")
+    validate.add_argument("--case", action="append", metavar="NAME",
+                          help="--against cpu: a case to run (repeatable; default: all): "
+                               + ", ".join(c.name for c in CASES))
     validate.add_argument("--json", action="store_true", help="print JSON (bytes) instead")
     validate.add_argument("--against", choices=["cpu", "megatron-core", "megatron-ci",
                                                 "torchtitan", "torchtitan-runs"],
@@ -732,6 +733,7 @@ def _megatron_job(args: argparse.Namespace, **fixed):
     from tracemem.frontdoors import (
         expand_megatron_args,
         following_changes,
+        in_megatron_terms,
         megatron_approximations,
         megatron_args_from_yaml,
         megatron_job_kwargs,
@@ -803,7 +805,10 @@ def _megatron_job(args: argparse.Namespace, **fixed):
         # a batch of tracemem's flags replaces Megatron's whole
         kwargs["num_microbatches"] = overrides.pop("num_microbatches", None)
         kwargs["global_batch_size"] = overrides.pop("global_batch_size", None)
-    return Job(**(kwargs | overrides | fixed))
+    try:
+        return Job(**(kwargs | overrides | fixed))
+    except TracememError as error:  # the layout flags named as the user wrote them
+        raise in_megatron_terms(error, set(overrides) | set(fixed)) from None
 
 
 def _torchtitan_job(args: argparse.Namespace, **fixed):
@@ -994,7 +999,8 @@ def _run_toy(args: argparse.Namespace) -> str:
     tracer = trace_toy(cfg, rounding=args.rounding)
     if args.json:
         return json.dumps({"config": vars(cfg), **get_summary(tracer)}, indent=2)
-    title = (f"toy transformer: {cfg.num_layers} layers, h={cfg.hidden_size}, "
+    layers = f"{cfg.num_layers} layer" + ("s" if cfg.num_layers != 1 else "")
+    title = (f"toy transformer: {layers}, h={cfg.hidden_size}, "
              f"{cfg.num_attention_heads} heads, b={cfg.micro_batch_size}, s={cfg.seq_length}, "
              f"vocab={cfg.vocab_size}, {cfg.dtype}, Adam; one step traced on the meta device")
     return title + "\n\n" + format_breakdown(tracer, units=args.units)
@@ -1653,6 +1659,9 @@ def _span(layers: list[int]) -> str:
 
 
 def _run_validate(args: argparse.Namespace) -> str:
+    if args.case and args.against not in ("cpu", "megatron-ci"):  # megatron-ci's says more
+        raise TracememError(f"--case names a CPU case (--against cpu); --against "
+                            f"{args.against} runs its own cases, all of them")
     if args.against == "megatron-core":
         return _run_validate_megatron(args)
     if args.against == "megatron-ci":
@@ -1665,6 +1674,11 @@ def _run_validate(args: argparse.Namespace) -> str:
     from tracemem.validation.cases import CASES
     from modeling.kernels import KERNEL_PROFILES
 
+    known = {case.name for case in CASES}
+    for name in args.case or ():
+        if name not in known:
+            raise TracememError(f"--case {name!r} is not a CPU case; choose from "
+                                f"{', '.join(case.name for case in CASES)}")
     cases = [get_case(name) for name in dict.fromkeys(args.case)] if args.case else list(CASES)
     comparisons = [compare_case(case) for case in cases]
     if args.json:

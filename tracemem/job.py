@@ -34,6 +34,7 @@ build_tokenizer.py`` ``vocab_size_with_padding``, used by ``megatron/training/vo
 
 from __future__ import annotations
 
+import decimal
 import difflib
 import functools
 import re
@@ -55,7 +56,9 @@ BINARY_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 DECIMAL_UNITS = {"kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS = {"B": 1, **BINARY_UNITS, **DECIMAL_UNITS}
 
-MAX_HBM_BYTES = 2**50  # 1 PiB: more than any accelerator holds
+# --hbm and other device sizes: 4 TiB, more than any accelerator holds (the largest, B300 and
+# MI355X, 288 GB)
+MAX_HBM_BYTES = 2**42
 MAX_TOKENS = 2**32  # tokens per microbatch (b x s): beyond any machine's memory for one layer
 # Microbatches per step: the replay simulates every allocation of every microbatch through the
 # caching allocator, linear in M: deepseek-tiny on PP 2 takes about 25 ms per microbatch
@@ -69,7 +72,7 @@ MAX_VIRTUAL_STAGES = 4096  # pp x vpp: more than any model has layers (ModelConf
 MAX_ROUNDING = 2**30  # --rounding: the caching allocator's block is 512 B; 1 GiB is past any use
 # One tensor above this is refused before tracing: no device holds it, and a size near 2^63
 # bytes overflows the int64 storage size torch computes (a traceback, not an estimate).
-MAX_TENSOR_BYTES = MAX_HBM_BYTES
+MAX_TENSOR_BYTES = 2**50  # 1 PiB
 
 # Device memory outside PyTorch's caching allocator, added to the reserved peak when judging
 # --hbm: the CUDA context. With CUDA's lazy module loading (11.7+) it is about 300 MB
@@ -107,12 +110,14 @@ def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
     """``"80GiB"`` -> 85899345920, ``"80GB"`` -> 80000000000, ``"1024"`` or ``1024`` -> 1024.
     Units: B, KiB, MiB, GiB, TiB (binary: 2^10 steps), kB, MB, GB, TB (decimal: 10^3 steps, as
     GPU data sheets write "80 GB"), or none (bytes); case and a space before the unit do not matter
-    (``size_unit`` says which kind a text used). ``zero`` also accepts a size of 0.
+    (``size_unit`` says which kind a text used). ``zero`` also accepts a size of 0. The number
+    is read exactly (as a decimal, not a float), then rounded to the nearest byte
+    (``"1.1GiB"``: 1,181,116,006.4 B -> 1181116006).
 
     Raises:
         TracememError: not a string or an int, not a number (and a unit), below one byte
-            (other than 0 with ``zero``), or more than 1 PiB (``MAX_HBM_BYTES``: no device
-            holds that); the message names ``flag``.
+            (other than 0 with ``zero``), or more than 4 TiB
+            (``MAX_HBM_BYTES``: no device holds that); the message names ``flag``.
     """
     if isinstance(text, int) and not isinstance(text, bool):
         text = str(text)  # a byte count, as the CLI takes "80000000000" and JSON prints
@@ -127,22 +132,29 @@ def parse_bytes(text: str, flag: str = "--hbm", zero: bool = False) -> int:
                             f"(binary)")
     if unit is not None and len(number) <= 40:
         try:
-            value = float(number) * _UNITS[unit]
-        except (ValueError, OverflowError):
+            value = decimal.Decimal(number) * _UNITS[unit]
+            if not value.is_finite():
+                value = None if value.is_nan() else decimal.Decimal(MAX_HBM_BYTES + 1)
+        except (decimal.InvalidOperation, ValueError):
+            value = None  # "x", "1_0" (Decimal reads underscores; a size does not)
+        if "_" in number:
             value = None
         # a small plain number reads as a size without its unit; a negative one (hbm=-1) is
         # not a size at all, said below
-        if value is not None and unit == "B" and value == value and 1 <= value < 2**20 \
+        if value is not None and unit == "B" and 1 <= value < 2**20 \
                 and text.strip()[-1:] not in "bB":
             scale = "G" if flag == "--hbm" else "M"  # a device's memory; an overhead
-            raise TracememError(f"{flag} {text!r} is {value:g} bytes; give a unit, such as "
-                                f"{number}{scale}B (decimal) or {number}{scale}iB (binary)")
+            example = number if value < 10**4 else "80" if flag == "--hbm" else "512"
+            raise TracememError(f"{flag} {text!r} is {_big(int(value))} bytes; give a unit, "
+                                f"such as {example}{scale}B (decimal) or {example}{scale}iB "
+                                f"(binary)")
         if value is not None:
-            if 1 <= value <= MAX_HBM_BYTES or (zero and value == 0):
-                return int(value)
-            if value > MAX_HBM_BYTES:  # inf included; NaN compares false
-                raise TracememError(f"{flag} {text!r} is more than 1 PiB; no device holds "
+            if value > MAX_HBM_BYTES:
+                raise TracememError(f"{flag} {text!r} is more than 4 TiB; no device holds "
                                     f"that")
+            value = value.to_integral_value(decimal.ROUND_HALF_EVEN)  # a byte's fraction
+            if 1 <= value or (zero and value == 0):
+                return int(value)
     example = "80G" if flag == "--hbm" else "512M"  # a device's memory; an overhead
     raise TracememError(f"{flag} {_show(text)} is invalid; give a {'' if zero else 'positive '}"
                         f"size of whole bytes such as {example}iB (binary: KiB, MiB, GiB, TiB), "
@@ -605,6 +617,9 @@ class Job:
             raise TracememError(f"--non-pytorch-memory {self.non_pytorch_memory} leaves "
                                 f"nothing of --hbm {self.hbm} for PyTorch")
         put(self, "routing_model", parse_routing(self.routing, self.seed))
+        if not config.is_moe and self.routing != "balanced":
+            raise TracememError(f"--routing {self.routing}: {config.name} is dense (no routed "
+                                f"experts to route to); drop --routing")
         put(self, "replacements", resolve_replacements(self.replace))
         put(self, "megatron_args", tuple(self.megatron_args))
         if self.ema not in EMA_PLACES:

@@ -90,7 +90,10 @@ def _format_spans(spans: list[tuple[int, int]]) -> str:
 
 
 def _format_stages(stages: list[int]) -> str:
-    return _format_spans(_spans(stages))
+    """Stages in prose: ``[0, 15]`` -> "0 and 15", ``[1, 2, 3, 7]`` -> "1-3 and 7",
+    ``[0, 2, 4]`` -> "0, 2 and 4"."""
+    parts = _format_spans(_spans(stages)).split(",")
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def get_summary(tracer: MemoryTracer, top_modules: int = 10) -> dict[str, Any]:
@@ -246,8 +249,10 @@ def format_verdict(verdict: dict[str, Any], units: str = "GiB", hbm_given: str |
         "" if verdict["worst_ep_rank"] is None else f" (EP rank {verdict['worst_ep_rank']})")
     worst = f"the worst is {where} at {_size_label(verdict['worst_peak_bytes'], units)}"
     n, over, hbm = verdict["pp_stages"], verdict["stages_over_hbm"], verdict["hbm_bytes"]
-    if over is None:
-        return f"Verdict: {worst}; give --hbm (e.g. 80GiB) to say whether it fits."
+    if over is None:  # what it needs is said, so --non-pytorch-memory shows without --hbm
+        return (f"Verdict: {worst}; the most a rank needs is "
+                f"{_size_label(verdict['worst_needed_bytes'], units)} (reserved + non-PyTorch "
+                f"memory); give --hbm (e.g. 80GiB) to say whether it fits.")
     stage_word = "pipeline stage" if n == 1 else "pipeline stages"
     if not over:
         spare = hbm - verdict["worst_needed_bytes"]
@@ -360,8 +365,11 @@ def _legend(result, units: str, keys: Sequence[str] | None = None) -> list[str]:
                      "allocated_peak_bytes; --plot's \"allocated peak\").")
     per_stage = par.world_size // par.pp
     if shown("ranks"):
-        lines.append(f"ranks: the stage's global ranks, {per_stage} per stage (Megatron's rank "
-                     f"order: TP fastest, then CP, DP, and PP slowest).")
+        order = ("torchtitan's mesh order, ParallelDims: TP fastest, then CP, dp_shard, "
+                 "dp_replicate, and PP slowest" if getattr(result.job, "origin", None)
+                 == "torchtitan" else
+                 "Megatron's rank order: TP fastest, then CP, DP, and PP slowest")
+        lines.append(f"ranks: the stage's global ranks, {per_stage} per stage ({order}).")
     if all(r.ep_rank is None for r in result.ranks) and not shown("ep"):
         if par.ep > 1:
             lines.append(f"EP ranks: the stage's {par.ep} EP ranks hold the same under "

@@ -111,8 +111,8 @@ def test_missing_mtp_counts_name_the_mtp_module(tmp_path):
     ("0.1B", r"--hbm .0.1B. is invalid; give a positive size of whole bytes"),
     ("", r"--hbm '' is invalid"),
     ("inf", r"--hbm 'inf' is invalid"),
-    ("infGiB", r"--hbm 'infGiB' is more than 1 PiB"),
-    ("1e400GiB", r"--hbm '1e400GiB' is more than 1 PiB"),
+    ("infGiB", r"--hbm 'infGiB' is more than 4 TiB"),
+    ("1e400GiB", r"--hbm '1e400GiB' is more than 4 TiB"),
     ("nanGiB", r"--hbm 'nanGiB' is invalid"),
     (80, r"--hbm '80' is 80 bytes; give a unit"),  # an int is a byte count, as the CLI's
     (80.0, r"--hbm 80.0 is invalid; give a size as text"),
@@ -120,6 +120,30 @@ def test_missing_mtp_counts_name_the_mtp_module(tmp_path):
 def test_hbm_values_are_not_taken_silently(value, message):
     with pytest.raises(TracememError, match=message):
         parse_bytes(value)
+
+
+def test_sizes_are_read_exactly_and_bounded():
+    # exact decimals, rounded to the nearest byte: 1.1 x 2^30 = 1,181,116,006.4 B; 0.3 x 1024
+    # = 307.2 B; 1.0000001 x 2^30 = 1,073,741,931.37 B (a float product would say ...931.4)
+    assert parse_bytes("1.1GiB") == 1_181_116_006
+    assert parse_bytes("0.3KiB", "--non-pytorch-memory") == 307
+    assert parse_bytes("1.0000001GiB") == 1_073_741_931
+    assert parse_bytes("4TiB") == 4 * 2**40  # the bound itself
+    with pytest.raises(TracememError, match=r"--hbm '80TiB' is more than 4 TiB; no device"):
+        parse_bytes("80TiB")
+    # a plain number under 1 MiB: its count with digit groups, and an example of a size
+    with pytest.raises(TracememError, match=r"--hbm '1048575' is 1,048,575 bytes; give a "
+                                            r"unit, such as 80GB \(decimal\) or 80GiB"):
+        parse_bytes("1048575")
+    with pytest.raises(TracememError, match=r"--hbm '1_0GiB' is invalid"):
+        parse_bytes("1_0GiB")
+
+
+def test_routing_on_a_dense_model_is_refused():
+    with pytest.raises(TracememError, match=r"^--routing zipf:1.2: llama-tiny is dense \(no "
+                                            r"routed experts to route to\); drop --routing$"):
+        estimate("llama-tiny", world_size=1, micro_batch_size=1, seq_length=16,
+                 num_microbatches=1, routing="zipf:1.2")
 
 
 def test_empty_hbm_reaches_the_check():

@@ -160,7 +160,12 @@ def test_verdict_counts_the_stages_over_hbm(tiny):
         f"{peak / 2**20:.2f} MiB; it needs {needed / 2**20:.2f} MiB (reserved + "
         f"non-PyTorch memory): {(64 * 2**20 - needed) / 2**20:.2f} MiB to spare.")
     assert format_verdict(get_verdict(tiny), "MiB").endswith(
-        "give --hbm (e.g. 80GiB) to say whether it fits.")
+        f"the most a rank needs is {needed / 2**20:.2f} MiB (reserved + non-PyTorch memory); "
+        f"give --hbm (e.g. 80GiB) to say whether it fits.")
+    # the non-PyTorch memory shows without --hbm too: 512 MiB by default
+    default = estimate("deepseek-tiny", **(TINY | {"non_pytorch_memory": "512MiB"}))
+    assert f"needs is {(needed + 2**29) / 2**20:.2f} MiB" in format_verdict(
+        get_verdict(default), "MiB")
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ the aux loss and the default fused RoPE are honoured with the approximation stat
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import MISSING
 from dataclasses import fields as dataclass_fields
 from typing import Any, Callable, Mapping
@@ -50,7 +51,8 @@ from tracemem.frontdoors.megatron_tables import (ENV_HONOURED, ENV_NEUTRAL,
                                                  REFUSED)
 
 __all__ = ["megatron_job_kwargs", "megatron_job", "megatron_approximations",
-           "to_megatron_args", "megatron_flag_changes", "following_changes", "fp8_options",
+           "in_megatron_terms", "to_megatron_args", "megatron_flag_changes",
+           "following_changes", "fp8_options",
            "REFUSED_WHEN",
            "APPROXIMATIONS_WHEN",
            "MODEL_NAME", "RECOMPUTE_MODULE_NAMES"]
@@ -306,7 +308,8 @@ def _vocab(ns, vocab_size) -> tuple[int, int | None]:
     if ns.vocab_size is None:
         raise TracememError("Megatron-LM refuses this job: Either --padded-vocab-size or "
                             "--vocab-size must be specified. (megatron/training/"
-                            "argument_utils.py gpt_config_from_args)")
+                            "argument_utils.py gpt_config_from_args); give --vocab-size V "
+                            "(the tokenizer's vocabulary before padding)")
     return ns.vocab_size, ns.make_vocab_size_divisible_by
 
 
@@ -854,12 +857,40 @@ def _cp_comm_type(ns, cp: int) -> str | None:
 
 def megatron_job(argv, *, env=None, world_size=None, vocab_size=None, **fields):
     """``tracemem.job.Job`` of ``megatron_job_kwargs(argv, ...)``, with ``fields`` (tracemem's
-    own settings: ``hbm``, ``routing``, ...) given beside them overriding its keywords."""
+    own settings: ``hbm``, ``routing``, ...) given beside them overriding its keywords.
+
+    Raises:
+        TracememError: as ``megatron_job_kwargs``, or the ``Job``'s refusal with the layout
+            flags it names in Megatron-LM's terms (``in_megatron_terms``)."""
     from tracemem.job import Job
 
     kwargs = megatron_job_kwargs(argv, env=env, world_size=world_size, vocab_size=vocab_size)
     kwargs.update(fields | following_changes(argv, kwargs, fields))
-    return Job(**kwargs)
+    try:
+        return Job(**kwargs)
+    except TracememError as error:
+        raise in_megatron_terms(error, set(fields)) from None
+
+
+# tracemem's layout flags and the Megatron-LM argument each stands for (_GROUP_FLAGS)
+_MEGATRON_NAMES = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+                   "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
+                   "etp": "--expert-tensor-parallel-size", "sp": "--sequence-parallel",
+                   "vpp": "--num-virtual-stages-per-pipeline-rank"}
+
+
+def in_megatron_terms(error: TracememError, typed=frozenset()) -> TracememError:
+    """``error`` (a ``Job``'s refusal of a job built from Megatron-LM arguments) with each of
+    tracemem's layout flags (``--tp``, ``--pp``, ``--cp``, ``--ep``, ``--etp``, ``--sp``,
+    ``--vpp``) that it names written as the Megatron-LM argument the user gave
+    (``--tensor-model-parallel-size`` ...), so the message points at the user's own words;
+    a field in ``typed`` (set by tracemem's flag over the job) keeps tracemem's name.
+    Returns a new error of the same type, or ``error`` itself when nothing changes."""
+    message = str(error)
+    for field_name, flag in _MEGATRON_NAMES.items():
+        if field_name not in typed:
+            message = re.sub(rf"(?<![\w-])--{field_name}(?![\w-])", flag, message)
+    return error if message == str(error) else type(error)(message)
 
 
 def following_changes(argv, kwargs: Mapping[str, Any], changes: Mapping[str, Any]

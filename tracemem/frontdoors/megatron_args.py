@@ -176,8 +176,17 @@ def _check_known(argv: list[str]) -> None:
             continue  # a value, a negative number
         flag = token.split("=", 1)[0]
         if flag not in known:
+            # a shortened flag: Megatron's parser takes no abbreviations (allow_abbrev=False
+            # in arguments.py parse_args), so name the flags it begins
             # 0.8, as tracemem's own flags (cli._check_flag_names): a typo, not a guess
             close = difflib.get_close_matches(flag, _option_strings(), n=1, cutoff=0.8)
+            longer = sorted((f for f in known if f.startswith(flag) and len(flag) > 2),
+                            key=lambda f: (len(f), f))
+            if longer and not (close and close[0] in longer):
+                shown = ", ".join(longer[:3]) + (f" ({len(longer)} in all)"
+                                                 if len(longer) > 3 else "")
+                raise TracememError(f"unknown Megatron-LM argument {flag} (Megatron-LM takes "
+                                    f"no abbreviations); did you mean {shown}?")
             raise TracememError(f"unknown Megatron-LM argument {flag} (not in "
                                 f"megatron/training/arguments.py at {PIN[:7]})"
                                 + (f"; did you mean {close[0]}?" if close else ""))

@@ -283,6 +283,10 @@ def torchtitan_config(module: str, config: str, overrides: Sequence[str] = ()):
     except (ValueError, ImportError, AttributeError, TypeError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
         first = _shorten_available(str(first), config)
+        if "supported modules are" in first:  # torchtitan's whole registry, flux and RL too
+            first = (first.split("For shorthands", 1)[0].strip()
+                     + " tracemem reads the models of torchtitan's llama3, qwen3 and "
+                       "deepseek_v3 modules (and experiments built from their parts)")
         raise TracememError(f"torchtitan {PIN} --module {module} --config {config}: "
                             f"{first}") from None
 

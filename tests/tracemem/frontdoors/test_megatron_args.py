@@ -443,6 +443,34 @@ def test_an_unknown_flag_is_one_line_with_the_closest_known_one():
                                             r"in megatron/training/arguments.py at d98e8a6\); "
                                             r"did you mean --num-layers\?$"):
         megatron_job_kwargs(["--num-layer", "4"], world_size=1)
+    # a shortened flag (Megatron's parser: allow_abbrev=False) names the flags it begins,
+    # where difflib's closest (--test-mode) is not one of them
+    with pytest.raises(TracememError, match=r"^unknown Megatron-LM argument --tensor-model "
+                                            r"\(Megatron-LM takes no abbreviations\); did you "
+                                            r"mean --tensor-model-parallel-size\?$"):
+        megatron_job_kwargs(["--tensor-model", "4"], world_size=1)
+    # the shortest three of those it begins, and their count
+    with pytest.raises(TracememError, match=r"did you mean --moe-router-topk, "
+                                            r"--moe-router-dtype, --moe-router-fusion "
+                                            r"\(21 in all\)\?$"):
+        megatron_job_kwargs(["--moe-rou", "4"], world_size=1)
+
+
+def test_the_jobs_refusal_names_megatrons_flags():
+    # a Job's refusal names --tp; a job of Megatron arguments says the argument given
+    with pytest.raises(TracememError, match=r"^--tensor-model-parallel-size 3 must divide "
+                                            r"num_attention_heads \(4\)"):
+        megatron_job(_tiny() + ["--tensor-model-parallel-size", "3"], world_size=3)
+    # tracemem's own --tp over the job keeps its name
+    with pytest.raises(TracememError, match=r"^--tp 3 must divide num_attention_heads"):
+        megatron_job(_tiny(), world_size=3, tp=3)
+
+
+def test_a_missing_vocabulary_names_the_flag():
+    argv = [a for a in _tiny() if a not in ("--vocab-size", "1000")]
+    with pytest.raises(TracememError, match=r"must be specified.*; give --vocab-size V \(the "
+                                            r"tokenizer's vocabulary before padding\)$"):
+        megatron_job_kwargs(argv, world_size=1)
 
 
 def test_a_missing_world_size_names_the_flag():
