@@ -111,7 +111,21 @@ outputs to its end.
 
 Not modelled: without ``fsdp2_group`` the gradient reduce-scatter (counted as Megatron's main
 grad), FSDP2's padding and all-gather output; with it, the expert parameters' own FSDP mesh
-(every unit is padded and reduced over the dense group).
+(every unit is padded and reduced over the dense group). Megatron-FSDP's communication units
+(Megatron-LM febd25e3fb, ``megatron/core/distributed/fsdp/src/megatron_fsdp/``), read but not
+traced (the Megatron front door names it as an approximation of ``--use-megatron-fsdp``):
+``MegatronFSDP.__init__`` sets ``suggested_communication_unit_size`` to max(1e9, 2 x the mean
+TransformerLayer's parameter count) elements; ``AllGatherPipeline.all_gather_params`` prefetches
+whole units ahead until half of that is gathered beyond the unit asked for (so every layer of a
+small model at once), and ``GradReducePipeline.wait_for_previous_grad_reduce`` frees a unit's
+unsharded gradient bucket (``param.get_main_grad()``, the main-grad dtype) only once the queue
+passes the full size or at the end of each backward (``_root_post_backward`` -> ``reset``).
+Here one unit is gathered at a time (one more prefetched in backward) and the gradient is the
+sharded main grad only. Neither reaches a peak at the loss (the units are released after their
+forward and the queue is empty before the first layer's backward), where the Megatron-CI cases
+peak (docs/validation.md). Unreconciled: ``DistributedOptimizer.step_with_ready_grads`` calls
+``start_param_sync``, which without ``--overlap-param-gather`` gathers every bucket after the
+step, yet the measured memory after the step matches static memory without them.
 """
 
 from __future__ import annotations

@@ -199,6 +199,7 @@ APPROXIMATIONS_WHEN: dict[str, Callable[[argparse.Namespace], bool]] = {
     "--no-create-attention-mask-in-dataloader": lambda ns: ns.create_attention_mask_in_dataloader,
     "--moe-router-load-balancing-type": lambda ns: bool(ns.num_experts) and _aux_loss(ns),
     "--log-num-zeros-in-grad": lambda ns: ns.log_num_zeros_in_grad,
+    "--use-megatron-fsdp": lambda ns: ns.use_megatron_fsdp,
     "--overlap-cpu-optimizer-d2h-h2d": lambda ns: ns.optimizer_cpu_offload
     and ns.overlap_cpu_optimizer_d2h_h2d,
 }

@@ -222,7 +222,20 @@ HONOURED: dict[str, str] = {
                                             "validate_args)",
     # _add_distributed_args
     "--use-megatron-fsdp": "zero 2 / 3 from --data-parallel-sharding-strategy "
-                           "(optim_grads / optim_grads_params)",
+                           "(optim_grads / optim_grads_params); approximation: "
+                           "Megatron-FSDP's communication units are not traced: its "
+                           "all-gathers prefetch whole units (TransformerLayers) ahead up to "
+                           "suggested_communication_unit_size / 2 elements (by default "
+                           "max(1e9, 2 x the mean unit's parameters)), and its reduce-scatter "
+                           "queue keeps each unit's unsharded gradient bucket until the queue "
+                           "passes suggested_communication_unit_size elements or the backward "
+                           "ends (megatron_fsdp.py MegatronFSDP.__init__, "
+                           "param_and_grad_buffer.py AllGatherPipeline.all_gather_params and "
+                           "GradReducePipeline.wait_for_previous_grad_reduce, Megatron-LM "
+                           "febd25e3fb); tracemem gathers one unit at a time (one more "
+                           "prefetched in backward) and counts the gradients as the sharded "
+                           "main grads: the estimate is low by them where the peak falls "
+                           "inside the layers' forward or backward (not at the loss)",
     "--decoder-first-pipeline-num-layers": "pp_first_stage_layers (with VPP: pp_layout, "
                                            "get_num_layers_to_build's split)",
     "--decoder-last-pipeline-num-layers": "pp_last_stage_layers (with VPP: pp_layout)",
@@ -293,7 +306,12 @@ HONOURED: dict[str, str] = {
                                         "quantile_balancing refused); "
                                         "approximation: with a coefficient > 0 the loss's "
                                         "(tokens, experts) fp32 scores per MoE layer are not "
-                                        "traced",
+                                        "traced, and the routing is tracemem's --routing "
+                                        "(balanced by default), which an aux-loss router's "
+                                        "first steps are not (Sinkhorn's normalisation, "
+                                        "moe_utils.py sinkhorn, balances from the first "
+                                        "step): the busiest EP rank's expert activations are "
+                                        "what is low",
     "--moe-aux-loss-coeff": "whether the aux loss runs (> 0); see "
                             "--moe-router-load-balancing-type",
     # _add_mla_args
