@@ -912,6 +912,13 @@ def floor_bytes(static: StaticMemory) -> int:
             + static.workspace_bytes)
 
 
+def _class_text(unit: RankClass, pp: int) -> str:
+    """A rank class in a progress line: "pipeline stage 3/16", with its EP ranks where a stage
+    has several classes."""
+    return f"pipeline stage {unit.stage + 1}/{pp}" + (
+        f", EP ranks {_ranks_text(list(unit.ep_ranks))}" if unit.num_classes > 1 else "")
+
+
 def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
                   progress: Callable[[str], None] | None = None) -> list[TracedClass]:
     """Each class's static memory and segments, from ``cache`` or traced (``_trace_fb``, then
@@ -923,9 +930,7 @@ def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
     out = []
     for unit in classes:
         if progress:
-            progress(f"tracing pipeline stage {unit.stage + 1}/{par.pp}" + (
-                f", EP ranks {_ranks_text(list(unit.ep_ranks))}" if unit.num_classes > 1
-                else ""))
+            progress(f"tracing {_class_text(unit, par.pp)}")
 
         def trace(unit=unit):
             return _trace_fb(
@@ -1100,12 +1105,19 @@ def estimate(job: Job | str | ModelConfig, /, *, progress: Callable[[str], None]
                                       for unit, static in zip(classes, floors)],
                                 screened=True, before_tracing=True)
         traced = trace_classes(job, classes, cache, progress)
+    pp = job.parallel.pp
     for one in traced:
+        if progress:
+            progress(f"replaying {_class_text(one.unit, pp)} through the schedule")
         replay_class(job, one)
     screened = screen and hbm is not None and any(
         t.replayed.peak_bytes + job.non_pytorch_memory_bytes > hbm for t in traced)
-    ranks = [screened_row(job, t) if screened else
-             allocator_row(job, t, snapshot_dir, plot is not None) for t in traced]
+    ranks = []
+    for t in traced:
+        if progress and not screened:
+            progress(f"simulating the caching allocator for {_class_text(t.unit, pp)}")
+        ranks.append(screened_row(job, t) if screened else
+                     allocator_row(job, t, snapshot_dir, plot is not None))
     if plot is not None:
         plot_timelines([r.memory for r in ranks], plot, hbm_bytes=hbm,
                        usable_bytes=None if hbm is None else hbm - job.non_pytorch_memory_bytes,

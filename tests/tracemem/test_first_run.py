@@ -353,6 +353,8 @@ def test_estimate_piped_says_it_works_and_names_the_files_it_wrote(capsys, tmp_p
     err = capsys.readouterr().err.splitlines()
     assert err == [
         "tracemem: tracing pipeline stage 1/1",
+        "tracemem: replaying pipeline stage 1/1 through the schedule",
+        "tracemem: simulating the caching allocator for pipeline stage 1/1",
         f"tracemem: wrote 1 snapshot (one per rank class) into {tmp_path / 'snaps'}/: "
         f"stage0.pickle; open them at https://pytorch.org/memory_viz or with python -m "
         f"torch.cuda._memory_viz"]
