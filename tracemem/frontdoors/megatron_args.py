@@ -30,7 +30,7 @@ from tracemem.frontdoors.megatron_tables import ARGUMENTS_FILE, PIN
 
 __all__ = ["MegatronArgument", "megatron_arguments", "megatron_parser", "expand_megatron_args",
            "megatron_args_from_yaml", "parse_megatron_args", "parse_with_given",
-           "eval_pattern", "MAX_ARG_FILE_DEPTH"]
+           "eval_pattern", "run_training_words", "MAX_ARG_FILE_DEPTH"]
 
 MAX_ARG_FILE_DEPTH = 16  # @file inside @file: deeper is a cycle, not a launch script
 _WHERE = f"Megatron-LM arguments (megatron/training/arguments.py at {PIN[:7]})"
@@ -265,6 +265,93 @@ def _yaml_value(value) -> str:
     return str(value)
 
 
+def _xargs_echo(text: str, key: str) -> str:
+    """``echo "$value" | xargs``: GNU findutils xargs with no command echoes its items, read
+    as its default input format does: items separated by blanks and newlines, single and
+    double quotes grouping (and removed), a backslash outside quotes taking the next character
+    as it is; echo joins them with one space.
+
+    Raises:
+        TracememError: an unmatched quote (xargs stops: "unmatched double quote").
+    """
+    items: list[str] = []
+    item: list[str] = []
+    quote, started, i = None, False, 0
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == quote:
+                quote = None
+            else:
+                item.append(ch)
+        elif ch in "'\"":
+            quote, started = ch, True
+        elif ch == "\\" and i + 1 < len(text):
+            item.append(text[i + 1])
+            started = True
+            i += 1
+        elif ch in " \t\n":
+            if started or item:
+                items.append("".join(item))
+            item, started = [], False
+        else:
+            item.append(ch)
+        i += 1
+    if quote:
+        kind = "double" if quote == '"' else "single"
+        raise TracememError(f"MODEL_ARGS {key}: unmatched {kind} quote in {text!r} (the test "
+                            f"runner's xargs stops there)")
+    if started or item:
+        items.append("".join(item))
+    return " ".join(items)
+
+
+def _double_quoted(value: str) -> str:
+    """A word inside double quotes under bash: a backslash escapes only $, `, ", \\ and a
+    newline."""
+    return re.sub(r'\\([$`"\\\n])', r"\1", value)
+
+
+# Megatron-LM 7418b1b8fb (2026-02-26) made _run_training.sh double-quote a value with a
+# shell metacharacter (|, ( or )), and rewrote the model_config.yaml files that had escaped
+# them with backslashes
+RUNNER_QUOTES_METACHARACTERS = "7418b1b8fb"
+
+
+def run_training_words(key: str, text: str, *, quote_metacharacters: bool = True
+                       ) -> list[str]:
+    """The command-line words after ``key`` that Megatron-LM's functional-test runner makes of
+    a MODEL_ARGS value printed as ``text`` (tests/functional_tests/shell_test_utils/
+    _run_training.sh at d98e8a6: ``value="$(echo "$value" | xargs)"``, then by its form
+    ``$key "$value"`` for ``(...)`` or a value with a space or a shell metacharacter
+    (``|``, ``(``, ``)``), ``$key $value`` for ``[...]`` with the brackets stripped and for
+    anything else, and ``eval "TRAINING_PARAMS_ARRAY=(...)"``): xargs takes one level of
+    quotes and backslashes, and the eval's word splitting another where the value is not
+    double-quoted. ``quote_metacharacters=False`` is the runner before
+    ``RUNNER_QUOTES_METACHARACTERS``, which double-quoted only a value with a space: there
+    ``Et*3\\\\|\\\\(tt\\\\|\\\\)*6tL`` in a YAML plain scalar reaches Megatron as ``Et*3|(tt|)*6tL``.
+    ``${...}`` placeholders stay as written (the runner substitutes them first; they are
+    paths). Not modelled: the eval's globbing of an unquoted ``*`` against the files where it
+    runs (none match in the CI's directory).
+
+    Raises:
+        TracememError: an unmatched quote (xargs or the eval).
+    """
+    value = _xargs_echo(text, key)
+    bracketed = re.fullmatch(r"\[[^]]+\]", value)
+    special = " |()" if quote_metacharacters else " "
+    if re.fullmatch(r"\([^)]+\)", value) or (
+            not bracketed and any(ch in value for ch in special)):
+        return [_double_quoted(value)]
+    if bracketed:
+        value = value[1:-1]
+    try:
+        return shlex.split(value)
+    except ValueError as error:
+        raise TracememError(f"MODEL_ARGS {key}: {error} in {value!r} (the test runner's eval "
+                            f"stops there)") from None
+
+
 def megatron_args_from_yaml(path) -> tuple[list[str], dict[str, str]]:
     """The arguments and environment of a Megatron-LM functional test's
     ``model_config.yaml`` (``MODEL_ARGS``, ``ENV_VARS``), as its runner
@@ -310,11 +397,7 @@ def megatron_args_from_yaml(path) -> tuple[list[str], dict[str, str]]:
         elif isinstance(value, list):
             args += [key, *(_yaml_value(v) for v in value)]
         else:
-            text_value = _yaml_value(value).strip()
-            if text_value.startswith("[") and text_value.endswith("]"):
-                args += [key, *text_value[1:-1].split()]
-            else:
-                args += [key, text_value]
+            args += [key, *run_training_words(key, _yaml_value(value))]
     env_data = data.get("ENV_VARS") or {}
     if not isinstance(env_data, dict):
         raise TracememError(f"{where}: ENV_VARS is not a mapping")

@@ -93,6 +93,7 @@ import functools
 import json
 import types
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -160,8 +161,10 @@ class CICase:
 
     @property
     def argv(self) -> list[str]:
-        """MODEL_ARGS as the Megatron-LM command line the test runner builds."""
-        return model_args_argv(self.model_args)
+        """MODEL_ARGS as the Megatron-LM command line the test runner of the pairing commit
+        builds."""
+        return model_args_argv(self.model_args, quote_metacharacters=(
+            runner_quotes_metacharacters(self.pairing_date)))
 
     @property
     def scored_gpu(self) -> bool:
@@ -170,12 +173,30 @@ class CICase:
             and self.platform in SCORED_PLATFORMS
 
 
-def model_args_argv(model_args: Mapping[str, Any]) -> list[str]:
+# the commit date of Megatron-LM 7418b1b8fb (RUNNER_QUOTES_METACHARACTERS): a case paired
+# with a commit before it ran under the runner that double-quoted only values with a space
+_RUNNER_QUOTES_METACHARACTERS_DATE = datetime.fromisoformat("2026-02-26T23:56:45+00:00")
+
+
+def runner_quotes_metacharacters(pairing_date: str) -> bool:
+    """Whether a case paired with a commit of ``pairing_date`` (ISO 8601) ran under the test
+    runner that double-quotes values with a shell metacharacter
+    (``tracemem.frontdoors.megatron_args.run_training_words``): its date is not before
+    7418b1b8fb's. The commit date stands for the order of the history (the CI's commits are
+    in date order on main)."""
+    return datetime.fromisoformat(pairing_date) >= _RUNNER_QUOTES_METACHARACTERS_DATE
+
+
+def model_args_argv(model_args: Mapping[str, Any], *,
+                    quote_metacharacters: bool = True) -> list[str]:
     """MODEL_ARGS as a command line, by the rules of
     tests/functional_tests/shell_test_utils/_run_training.sh (and
     ``tracemem.frontdoors.megatron_args_from_yaml``): ``true`` is the bare flag, ``false`` and
-    an empty value leave it out, a list or a ``[...]`` value is several values, anything else
-    one argument."""
+    an empty value leave it out, a list is several values, any other value the words the
+    runner's xargs and eval make of it (``run_training_words``; ``quote_metacharacters``:
+    the runner's version, ``runner_quotes_metacharacters``)."""
+    from tracemem.frontdoors.megatron_args import run_training_words
+
     argv: list[str] = []
     for key, value in model_args.items():
         if value is True:
@@ -185,11 +206,8 @@ def model_args_argv(model_args: Mapping[str, Any]) -> list[str]:
         elif isinstance(value, list):
             argv += [key, *(str(v) for v in value)]
         else:
-            text = str(value).strip()
-            if text.startswith("[") and text.endswith("]"):
-                argv += [key, *text[1:-1].split()]
-            else:
-                argv += [key, text]
+            argv += [key, *run_training_words(key, str(value),
+                                              quote_metacharacters=quote_metacharacters)]
     return argv
 
 

@@ -178,8 +178,26 @@ def test_argv_is_what_the_front_door_reads_from_the_same_yaml(tmp_path):
         path.write_text(json.dumps({"MODEL_ARGS": dict(case.model_args),
                                     "ENV_VARS": dict(case.env_vars)}))
         argv, env = megatron_args_from_yaml(path)
-        assert argv == case.argv, case.name
+        # the front door reads a file as today's runner does; a case as its pairing commit's
+        assert argv == model_args_argv(case.model_args), case.name
         assert env == dict(case.env_vars), case.name
+
+
+def test_a_case_is_read_by_the_runner_of_its_pairing_commit():
+    # _run_training.sh before 7418b1b8fb (2026-02-26): xargs, then eval unquoted, so the YAML
+    # plain scalar's two backslashes before | ( ) are both taken; from it on, a value with |
+    # ( ) is double-quoted and the files say Et*3|(tt|)*6tmL (d98e8a6's model_config.yaml)
+    from tracemem.validation.megatron_ci import runner_quotes_metacharacters
+
+    (case,) = [c for c in load_cases() if c.name ==
+               "gpt3_mcore_te_tp2_pp2_ep4_etp1_selective_recompute_experimental@dev_dgx_h100"]
+    assert case.pairing_date == "2025-08-17T18:56:57-07:00"
+    assert not runner_quotes_metacharacters(case.pairing_date)
+    assert runner_quotes_metacharacters("2026-02-26T23:56:45+00:00")
+    assert not runner_quotes_metacharacters("2026-02-26T23:56:44+00:00")
+    layout = case.argv[case.argv.index("--pipeline-model-parallel-layout") + 1]
+    assert case.model_args["--pipeline-model-parallel-layout"] == r"Et*3\\|\\(tt\\|\\)*6tL"
+    assert layout == "Et*3|(tt|)*6tL"
 
 
 def test_model_args_argv_follows_the_test_runner():
@@ -188,6 +206,21 @@ def test_model_args_argv_follows_the_test_runner():
                             "--pipeline-model-parallel-layout": "Et*2|(tt|)*5t|tmL"}) == \
         ["--bf16", "--num-layers", "12", "--cp-comm-type", "p2p", "a2a", "--lr", "1e-4",
          "--pipeline-model-parallel-layout", "Et*2|(tt|)*5t|tmL"]
+    # xargs takes quotes and one backslash; the eval of an unquoted word another level; a
+    # value in (...), with a space or (today's runner) with | ( ) is double-quoted there
+    from tracemem.frontdoors.megatron_args import run_training_words
+
+    old = {"quote_metacharacters": False}
+    assert run_training_words("--x", r"Et*3\\|\\(tt\\|\\)*6tL", **old) == ["Et*3|(tt|)*6tL"]
+    assert run_training_words("--x", r"Et*3\\|\\(tt\\|\\)*6tL") == [r"Et*3\|\(tt\|\)*6tL"]
+    assert run_training_words("--x", r'\"*E\"') == ["*E"]
+    assert run_training_words("--x", "([0]*3+[1]*13)", **old) == ["([0]*3+[1]*13)"]
+    assert run_training_words("--x", "a  b") == ["a b"]  # xargs' items, echo's one space
+    assert run_training_words("--x", "'a  b'") == ["a  b"]  # one item: quoted blanks kept
+    assert run_training_words("--x", "[p2p  a2a]") == ["p2p", "a2a"]
+    assert run_training_words("--x", "  12 ") == ["12"]
+    with pytest.raises(TracememError, match=r"MODEL_ARGS --x: unmatched double quote"):
+        run_training_words("--x", 'a"b')
 
 
 def test_a_case_without_a_world_size_is_refused_with_its_reason():
