@@ -355,14 +355,16 @@ def run_training_words(key: str, text: str, *, quote_metacharacters: bool = True
 def megatron_args_from_yaml(path) -> tuple[list[str], dict[str, str]]:
     """The arguments and environment of a Megatron-LM functional test's
     ``model_config.yaml`` (``MODEL_ARGS``, ``ENV_VARS``), as its runner
-    (tests/functional_tests/shell_test_utils/_run_training.sh) turns them into a command line:
-    ``true`` is the bare flag, a value in ``[...]`` is split into several values, any other
-    value is one argument; ``false`` and an empty value leave the flag out. Placeholders such
-    as ``${DATA_PATH}`` stay as written (they are paths).
+    (tests/functional_tests/shell_test_utils/_run_training.sh at d98e8a6) turns them into a
+    command line: ``true`` is the bare flag, a list several values, any other value the words
+    its xargs and eval make of it (``run_training_words``: a value in ``[...]`` several, one
+    in ``(...)`` or with a space or ``|``, ``(``, ``)`` one); ``false`` and an empty value
+    leave the flag out. Placeholders such as ``${DATA_PATH}`` stay as written (they are
+    paths).
 
     Raises:
         TracememError: a file that is not readable YAML, no ``MODEL_ARGS`` mapping, a key that
-            is not a ``--flag``, a null value.
+            is not a ``--flag``, a null value, a value with an unmatched quote.
     """
     import yaml
 

@@ -60,7 +60,10 @@ comes from are older commits, each case's own, see "Pairing" below):
   4 on GB200), which a ``products`` row may override (recipe_parser.py ``flatten_products``,
   ``flatten_workload``); _run_training.sh launches ``torchrun --nproc_per_node
   $GPUS_PER_NODE --nnodes $NUM_NODES``. The JET launcher that turns the recipe into those
-  variables is not public. A test case no recipe lists (the release tests) has no world size.
+  variables is not public. A test case no recipe lists (the release tests) has no world size,
+  unless ``INFERENCES`` reads it from the case's history (a recipe row commented out at the
+  pairing commit, listed at an earlier one with the same ``model_config.yaml``), with the
+  evidence; the board marks such a case.
 - **Pairing.** Each golden file is paired with the oldest commit, walking ``git log
   --follow`` back from d98e8a6, of the unbroken run whose ``mem-max-allocated-bytes`` and
   ``mem-allocated-bytes`` are the same numbers, iteration by iteration, as the newest
@@ -69,9 +72,13 @@ comes from are older commits, each case's own, see "Pairing" below):
   .gitlab/stages/01.build.yml's BASE_IMAGE; uv.lock's transformer-engine, or the lts
   Dockerfile's pin: each recorded with the file it came from, or None).
 - **Arguments.** _run_training.sh turns MODEL_ARGS into the command line with ``yq``:
-  ``true`` is the bare flag, a ``[...]`` value several values, any other one argument;
-  ``model_args_argv`` does the same, as ``tracemem.frontdoors.megatron_args_from_yaml`` does
-  for a file. ``${DATA_PATH}`` and the other placeholders stay as written (paths).
+  ``true`` is the bare flag, a ``[...]`` value several values, any other value what
+  ``echo "$value" | xargs`` and the runner's ``eval`` make of it (one level of quotes and
+  backslashes each; a value with a space, and from 7418b1b8fb on one with ``|``, ``(`` or
+  ``)``, is double-quoted in the eval). ``model_args_argv`` does the same, with the runner of
+  the case's pairing commit (``runner_quotes_metacharacters``), as
+  ``tracemem.frontdoors.megatron_args_from_yaml`` does for a file with today's.
+  ``${DATA_PATH}`` and the other placeholders stay as written (paths).
 - **Vocabulary.** Most cases read the GPT-2 BPE vocabulary from a file (``--vocab-file
   .../bpe/vocab.json``), which Megatron's ``GPT2BPETokenizer`` (Hugging Face "gpt2") sizes at
   50,257 (collect.py ``GPT2_VOCAB`` cites the sources); ``case_job_kwargs`` passes that as
@@ -100,7 +107,7 @@ from typing import Any, Mapping
 from tracemem.errors import TracememError
 
 __all__ = ["CICase", "load_cases", "load_index", "case_job_kwargs", "selection",
-           "model_args_argv", "DATA", "SCORED_PLATFORMS"]
+           "model_args_argv", "DATA", "SCORED_PLATFORMS", "Inference", "INFERENCES"]
 
 DATA = Path(__file__).with_name("megatron_ci")
 # the platforms the board scores, in its order: H100 first, then A100 and GB200 as their own
@@ -158,6 +165,9 @@ class CICase:
     allocated: Mapping[int, int] | None = field(compare=False, repr=False)
     version_sources: Mapping[str, str] = field(compare=False, repr=False)
     vocab_source: str | None = field(default=None, compare=False, repr=False)
+    # what was read from the case's history where its pairing commit does not say
+    # (INFERENCES), with the evidence; None: nothing inferred
+    inferred: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def argv(self) -> list[str]:
@@ -222,6 +232,37 @@ def _proxy(mapping: Mapping) -> Mapping:
     return types.MappingProxyType(dict(mapping))
 
 
+@dataclass(frozen=True)
+class Inference:
+    """A launch (``nodes`` x ``gpus_per_node``, ``training_script``) and argument values
+    (``model_args``: replacing MODEL_ARGS values) read from a case's history where its pairing
+    commit's recipe or Megatron-Core does not give them, with the evidence (``why``). The
+    board marks a case scored with one."""
+
+    nodes: int
+    gpus_per_node: int
+    training_script: str
+    model_args: Mapping[str, str]
+    why: str
+
+
+# by case name; each value a fact of the Megatron-LM history, with its commit
+INFERENCES: dict[str, Inference] = {
+    "gpt3_mcore_te_tp2_pp2_ep4_etp1_selective_recompute_experimental@dev_dgx_h100": Inference(
+        nodes=1, gpus_per_node=8, training_script="pretrain_gpt.py",
+        model_args={"--pipeline-model-parallel-layout": "Et*3|(tt|)*6tmL"},
+        why="8 GPUs: tests/test_utils/recipes/moe.yaml's spec (nodes 1, gpus 8, "
+            "TRAINING_SCRIPT_PATH=pretrain_gpt.py) at 08abeedbfe, the last commit whose "
+            "recipe lists the case (2f1027d222 comments it out: 'Disable broken tests'), with "
+            "the same model_config.yaml as the pairing commit c08d89bea0 and a memory series "
+            "within 0.07 % of this one at every logged iteration; the layout Et*3|(tt|)*6tmL: "
+            "Megatron-Core at c08d89bea0 takes no MTP layer in a layout and builds the MTP "
+            "layers on the last pipeline stage (pipeline_parallel_layer_layout.py "
+            "validate_layer_layout, multi_token_prediction.py get_mtp_num_layers_to_build), "
+            "as d98e8a6's model_config.yaml of the case writes it"),
+}
+
+
 def _cases_of(data: dict[str, Any], source_commit: str) -> list[CICase]:
     out = []
     tokenizer = data.get("tokenizer") or {}
@@ -237,8 +278,16 @@ def _cases_of(data: dict[str, Any], source_commit: str) -> list[CICase]:
         iteration, measured = _measured(peak)
         launch, versions = golden["launch"], golden["versions"]
         stem = golden["file"][len("golden_values_"):-len(".json")]
+        name = f"{data['case']}@{stem}"
+        inference = INFERENCES.get(name) if launch["world_size"] is None else None
+        if inference is not None:
+            launch = dict(launch, nodes=inference.nodes,
+                          gpus_per_node=inference.gpus_per_node,
+                          world_size=inference.nodes * inference.gpus_per_node, reason=None,
+                          training_script=inference.training_script)
+            args = {**args, **inference.model_args}
         out.append(CICase(
-            name=f"{data['case']}@{stem}", case=data["case"], model=data["model"],
+            name=name, case=data["case"], model=data["model"],
             directory=data["directory"], golden_file=golden["file"],
             environment=golden["environment"], platform=golden["platform"],
             gpu=golden["gpu"], run=golden["run"], mode=data["mode"],
@@ -265,6 +314,7 @@ def _cases_of(data: dict[str, Any], source_commit: str) -> list[CICase]:
             version_sources=_proxy({key: value["source"] for key, value in versions.items()
                                     if value}),
             vocab_source=tokenizer.get("source"),
+            inferred=None if inference is None else inference.why,
         ))
     return out
 

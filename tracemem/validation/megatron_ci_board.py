@@ -76,6 +76,8 @@ class BoardRow:
     # optimizer's lazily created state (``first_step_peak``)
     measured_first_bytes: int | None = None
     tracemem_first_bytes: int | None = None
+    # what was read from the case's history (megatron_ci.INFERENCES), None: nothing
+    inferred: str | None = None
 
     @property
     def error(self) -> float:
@@ -217,7 +219,7 @@ def score_case(case) -> BoardRow:
                     unit.stage, job.world_size - 1, notes, row.workspace_bytes,
                     formula.total_bytes,
                     (case.allocated or {}).get(case.measured_iteration), after,
-                    case.iteration1_bytes, first)
+                    case.iteration1_bytes, first, case.inferred)
 
 
 def score_cases(cases, progress: Callable[[str], None] | None = None
@@ -279,7 +281,7 @@ def format_board(rows: list[BoardRow], left_out: list[tuple[object, str]],
     from tabulate import tabulate
 
     gib = 2**30
-    table = [[r.name, r.gpu or "-", r.world_size, r.measured_iteration,
+    table = [[r.name + (" *" if r.inferred else ""), r.gpu or "-", r.world_size, r.measured_iteration,
               f"{r.measured_bytes:,}", f"{r.measured_bytes / gib:.3f}",
               f"{r.tracemem_bytes:,}", f"{r.tracemem_bytes / gib:.3f}", f"{r.error:+.1%}",
               f"{r.workspace_bytes / 2**20:.0f}",
@@ -302,6 +304,12 @@ def format_board(rows: list[BoardRow], left_out: list[tuple[object, str]],
         lines.append("approx.: how many of the case's Megatron-LM arguments (or environment "
                      "variables) tracemem approximates, each a known residue it does not "
                      "trace (megatron_approximations; --json lists them per case).")
+        inferred = sum(1 for r in rows if r.inferred)
+        if inferred:
+            lines.append(f"*: {inferred} case(s) scored with a launch or argument read from "
+                         f"the case's history where its pairing commit does not give it "
+                         f"(tracemem.validation.megatron_ci.INFERENCES, each with its "
+                         f"evidence; --json: inferred).")
         if "after_step" in s:
             lines.append(_summary_line("After the step (mem-allocated-bytes against static "
                                        "memory + workspaces)", s["after_step"]))

@@ -68,6 +68,17 @@ def test_summary_by_hand():
     assert s["mean_error"] == pytest.approx((-0.01 + 0.03 - 0.10 + 0) / 4)
 
 
+def test_an_inferred_row_is_marked():
+    from dataclasses import replace
+
+    from tracemem.validation.megatron_ci_board import format_board
+
+    text = format_board([_row(100, 99), replace(_row(100, 97), name="y", inferred="why")],
+                        [], [])
+    assert "\ny *  " in text and "\nx  " in text
+    assert "*: 1 case(s) scored with a launch or argument read from the case's history" in text
+
+
 def test_the_command(capsys):
     assert main(["validate", "--against", "megatron-ci", "--ci-case", CASE]) == 0
     out = capsys.readouterr().out

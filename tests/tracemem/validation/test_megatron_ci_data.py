@@ -190,14 +190,28 @@ def test_a_case_is_read_by_the_runner_of_its_pairing_commit():
     from tracemem.validation.megatron_ci import runner_quotes_metacharacters
 
     (case,) = [c for c in load_cases() if c.name ==
-               "gpt3_mcore_te_tp2_pp2_ep4_etp1_selective_recompute_experimental@dev_dgx_h100"]
-    assert case.pairing_date == "2025-08-17T18:56:57-07:00"
+               "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading@dev_dgx_gb200"]
+    assert case.pairing_date == "2026-01-30T09:46:07+00:00"
     assert not runner_quotes_metacharacters(case.pairing_date)
     assert runner_quotes_metacharacters("2026-02-26T23:56:45+00:00")
     assert not runner_quotes_metacharacters("2026-02-26T23:56:44+00:00")
     layout = case.argv[case.argv.index("--pipeline-model-parallel-layout") + 1]
-    assert case.model_args["--pipeline-model-parallel-layout"] == r"Et*3\\|\\(tt\\|\\)*6tL"
-    assert layout == "Et*3|(tt|)*6tL"
+    assert case.model_args["--pipeline-model-parallel-layout"] == r"Et*3\\|\\(tt\\|\\)*6mL"
+    assert layout == "Et*3|(tt|)*6mL"
+
+
+def test_an_inferred_launch_and_layout_are_marked_with_their_evidence():
+    from tracemem.validation.megatron_ci import INFERENCES
+
+    name = "gpt3_mcore_te_tp2_pp2_ep4_etp1_selective_recompute_experimental@dev_dgx_h100"
+    (case,) = [c for c in load_cases() if c.name == name]
+    assert (case.world_size, case.nodes, case.gpus_per_node) == (8, 1, 8)
+    assert case.world_size_reason is None and case.inferred == INFERENCES[name].why
+    assert "08abeedbfe" in case.inferred and "get_mtp_num_layers_to_build" in case.inferred
+    layout = case.argv[case.argv.index("--pipeline-model-parallel-layout") + 1]
+    assert layout == "Et*3|(tt|)*6tmL"
+    # every other case: nothing inferred
+    assert [c.name for c in load_cases() if c.inferred] == [name]
 
 
 def test_model_args_argv_follows_the_test_runner():
