@@ -312,8 +312,11 @@ class _TEScaledMaskedSoftmax(torch.autograd.Function):
     ``te_softmax::scaled_masked_softmax_fwd`` custom op: its ``register_autograd``
     setup_context saves the output only) over ``csrc/extensions/softmax.cpp``
     ``scaled_masked_softmax_forward`` / ``_backward``: forward allocates ``softmax_results``
-    ``[b, np, sq, sk]`` in the input's dtype; backward a new input gradient of that shape. The
-    mask ``[1, 1, sq, sk]`` bool is read, not saved."""
+    ``[b, np, sq, sk]`` in the input's dtype; backward reads the saved output and writes the
+    input gradient into the incoming gradient in place ("Produce gradients in place":
+    softmax.cpp ``scaled_masked_softmax_backward`` in every release, v2.14 to v2.18; TE main
+    since 0c8cf2c03, 2026-07-24, allocates a fresh one instead, in no release yet). The mask
+    ``[1, 1, sq, sk]`` bool is read, not saved."""
 
     @staticmethod
     def forward(ctx, scores: Tensor, mask: Tensor) -> Tensor:
@@ -323,8 +326,10 @@ class _TEScaledMaskedSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        grad = grad.contiguous()
-        return torch.empty_like(grad), None
+        (softmax_results,) = ctx.saved_tensors  # read by the backward kernel
+        grad = grad.contiguous()  # the input gradient is written into it
+        del softmax_results
+        return grad, None
 
 
 def _te_causal_mask(sq: int, sk: int, device) -> Tensor:

@@ -79,6 +79,7 @@ class _SortChunks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor, grad_probs: Tensor | None, _grad_map):
+        ctx.saved_tensors  # the kernel reads the row map (unpacked: a saved-tensor hook sees it)
         return torch.empty_like(grad), (None if grad_probs is None
                                         else torch.empty_like(grad_probs))
 
@@ -99,6 +100,7 @@ class _Unpermute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        ctx.saved_tensors  # the kernel reads the row map (unpacked: a saved-tensor hook sees it)
         return grad.new_empty((ctx.rows, grad.shape[1])), None, None
 
 
