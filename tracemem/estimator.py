@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from modeling.common import offload
 from modeling.common.block import Block
 from modeling import ModelConfig
 from modeling.common.custom import CustomBlock
@@ -209,6 +210,19 @@ class Segments:
     # the first backward: tracemem.zero3), so the replay keeps each gradient storage as
     # traced; True: Megatron's, each added into a preallocated main grad (replay_events)
     transient_grads: bool = True
+    # fine-grained activation offloading (modeling.common.offload): a microbatch whose
+    # manager decisions differ from microbatch 1's replays its own traced variant,
+    # (chunk, microbatch) -> the variant in the key's last place (0 and 1 as above)
+    variants: dict[tuple[int, int], int] = field(default_factory=dict)
+    # (chunk, variant) -> the host copies its forward makes (modeling.common.offload.HostBuffer)
+    host: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    # (chunk, variant) -> positions in its B segment where a group start finds its own reload
+    # stack empty (Megatron reloads a group of the next backward chunk there), and the
+    # (start, end) events of each group its backward reloads first (ChunkPlan.pre); the
+    # chunks that have offloading groups
+    offload_marks: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    prereloads: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    offload_chunks: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -240,11 +254,16 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
               distribute_saved_activations: bool = False,
               rounding: int | None, kernels: KernelProfile | str = "eager",
               zero3_prefetch: bool = True, where: Placement | None = None,
-              kinds: frozenset[str] = frozenset("B"), replace=None
+              kinds: frozenset[str] = frozenset("B"), replace=None,
+              activation_offload: ActivationOffload | None = None
               ) -> tuple[object, MemoryTracer, Segments]:
     """The forward and backward segments of ``rank`` (``kinds``: "B" traces forwards with full
     backwards, "I" forwards with split ones), with the model and the tracer that traced them
-    (``_trace_step`` adds the optimizer step)."""
+    (``_trace_step`` adds the optimizer step). ``activation_offload``: Megatron's
+    fine-grained activation offloading (``modeling.common.offload``): each chunk's
+    microbatches are traced once per distinct manager plan (``offload_plan`` over the rank's
+    schedule), microbatch 0 and 1 as always, a later one whose plan differs as its own
+    variant (``Segments.variants``)."""
     model = build_rank(cfg, par, rank, attention=attention, experts=experts,
                        dtype=torch.bfloat16, kernels=kernels, placement=where, replace=replace)
     numel_by_kind(model)  # every parameter declares its group: say so before tracing
@@ -269,20 +288,42 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
     # FSDP2 (fsdp2_group): the trace makes the gradients (Zero3Gathers._reduce)
     segments = Segments(transient_grads=gathers is None or gathers.fsdp2_group is None)
     last_chunk = len(model.chunks) - 1
+    plans, groups = _offload_plans(model, activation_offload)
+    if groups is not None:
+        segments.offload_chunks = frozenset(c for c, names in enumerate(groups) if names)
     for chunk in range(len(model.chunks)):
         first = chunk == 0 and model.pre_process
         last = chunk == last_chunk and model.post_process
-        for split, mb in [(k == "I", mb) for k in sorted(kinds) for mb in (0, 1)]:
+        runs = [(k == "I", mb) for k in sorted(kinds) for mb in (0, 1)]
+        if plans is not None:  # a variant per distinct plan of a later microbatch
+            later = {}
+            for (c, m), plan in sorted(plans.items()):
+                if c == chunk and m >= 1 and plan != plans.get((chunk, 1)):
+                    variant = later.setdefault(plan, 2 + len(later))
+                    segments.variants[(chunk, m)] = variant
+            runs += [(k == "I", v) for k in sorted(kinds) for v in later.values()]
+            plan_of = {0: plans.get((chunk, 0)), 1: plans.get((chunk, 1)),
+                       **{v: p for p, v in later.items()}}
+        for split, mb in runs:
             if mb == 0 and gathers is not None:
                 gathers.zero_grad()  # the step's first backward makes FSDP2's gradients
+            handler = None if plans is None else offload.ChunkHandler(
+                activation_offload.modules, activation_offload.min_size,
+                plan_of[mb] or offload.ChunkPlan(), groups[chunk])
             start = len(tracer.events)
             with tracer:
                 labels = torch.zeros(b, seq, dtype=torch.long, device="meta")
                 inputs = (torch.zeros(b, seq, dtype=torch.long, device="meta") if first else
                           recv_forward((b, local, cfg.hidden_size), torch.bfloat16))
-                output = model(inputs, labels, routing, chunk)
+                with offload.chunk(handler):
+                    output = model(inputs, labels, routing, chunk)
                 if not last:
                     send_forward(output, deallocate)
+            if handler is not None:
+                if handler.names != tuple(groups[chunk]):
+                    raise AssertionError(f"offload groups of chunk {chunk}: traced "
+                                         f"{handler.names}, predicted {groups[chunk]}")
+                segments.host[(chunk, mb)] = tuple(handler.host)
             middle = len(tracer.events)
             if split:
                 with tracer:  # I: input gradients; Linear weight gradients deferred
@@ -320,6 +361,10 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
                     param.grad = None
             segments.events[(chunk, "F", mb)] = tracer.events[start:middle]
             segments.events[(chunk, "B", mb)] = tracer.events[middle:len(tracer.events)]
+            if handler is not None:
+                segments.offload_marks[(chunk, mb)] = tuple(m - middle for m in handler.marks)
+                segments.prereloads[(chunk, mb)] = tuple((a - middle, b - middle)
+                                                         for a, b in handler.prereloads)
     # --gradient-accumulation-fusion with kernels that do not fuse: no transient weight grads
     if par.precision_spec.gradient_accumulation_fusion \
             and get_profile(kernels).name != "megatron-te":
@@ -328,6 +373,71 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
             if key[1] in ("B", "I", "W"):
                 segments.events[key] = [e for e in events if not is_fused_wgrad(e, fused)]
     return model, tracer, segments
+
+
+@dataclass(frozen=True)
+class ActivationOffload:
+    """What ``_trace_fb`` needs for fine-grained activation offloading: the
+    ``--offload-modules`` ``modules``, ``--min-offloaded-tensor-size`` ``min_size``
+    (elements), the rank's schedule ``steps``, ``chunk_of_stage`` (virtual stage -> the rank's
+    model chunk) and ``warmup`` (the first iteration's decisions, else a later one's:
+    ``modeling.common.offload.offload_plan``)."""
+
+    modules: frozenset[str]
+    min_size: int
+    steps: tuple
+    chunk_of_stage: Callable[[int], int] = field(compare=False)
+    warmup: bool = False
+
+
+def _offload_plans(model, activation_offload: ActivationOffload | None):
+    """The manager's plan per (chunk, microbatch) and each chunk's predicted group names
+    (``Block.offload_groups``), or (None, None) without offloading."""
+    if activation_offload is None:
+        return None, None
+
+    def names(layer) -> list[str]:  # a user's own block starts no group
+        return layer.offload_groups(activation_offload.modules) \
+            if isinstance(layer, Block) else []
+
+    groups = [[name for i in layers for name in names(model.layers[str(i)])]
+              for layers in model.chunks]
+    if model.post_process and len(model.mtp):  # the MTP layers run after the decoder's
+        groups[-1] += [name for module in model.mtp.values() for name in names(module.block)]
+    plans = offload.offload_plan(activation_offload.steps, groups,
+                                 activation_offload.chunk_of_stage,
+                                 warmup=activation_offload.warmup)
+    return plans, groups
+
+
+def activation_host_bytes(steps: list[Step], segments: Segments,
+                          chunk_index: Callable[[int], int]) -> int:
+    """The pinned host memory fine-grained activation offloading holds at most over a rank's
+    schedule ``steps`` (``Segments.host``): each forward's host copies are held until its
+    backward; Megatron's (shape, dtype) pool (``GPUTensorPool``, never shrunk) keeps as many
+    buffers per key as were ever held at once, the unpooled ones (``expert_fc1``,
+    ``moe_act``: pinned ``torch.empty``) stay cached in PyTorch's caching host allocator by
+    rounded size; every buffer a pinned block (``tracemem.offload.pinned_block``: a power of
+    two). Pooled and unpooled blocks are counted apart (an approximation: the host allocator
+    may hand a cached unpooled block to a pool miss of the same rounded size)."""
+    from tracemem.offload import pinned_block
+
+    if not segments.host:
+        return 0
+    held: dict[tuple, int] = {}
+    most: dict[tuple, int] = {}
+    for step in steps:
+        if step.kind not in ("F", "B"):
+            continue
+        chunk = chunk_index(step.stage)
+        variant = segments.variants.get((chunk, step.microbatch), min(step.microbatch, 1))
+        sign = 1 if step.kind == "F" else -1
+        for buf in segments.host.get((chunk, variant), ()):
+            size = pinned_block(buf.nbytes)
+            key = (buf.shape, buf.dtype, size) if buf.pooled else ("unpooled", size)
+            held[key] = held.get(key, 0) + sign
+            most[key] = max(most.get(key, 0), held[key])
+    return sum(count * key[-1] for key, count in most.items())
 
 
 def _trace_step(model, tracer: MemoryTracer, par: ParallelConfig, optimizer: str,
@@ -343,7 +453,7 @@ def _trace_step(model, tracer: MemoryTracer, par: ParallelConfig, optimizer: str
     static = static_memory(model, par)
     if offload is not None:  # --optimizer-cpu-offload: part of the state on the host
         static = offload_static(static, model, par, offload)
-    return static, Segments(events, segments.transient_grads)
+    return static, replace(segments, events=events)
 
 
 
@@ -464,7 +574,9 @@ class TraceCache:
             static, segments = found
             frozen = Segments({key: [CachedEvent(e) for e in events]
                                for key, events in segments.events.items()},
-                              segments.transient_grads)
+                              segments.transient_grads, segments.variants, segments.host,
+                              segments.offload_marks, segments.prereloads,
+                              segments.offload_chunks)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             with open(tmp, "wb") as f:
                 pickle.dump((static, frozen), f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -528,13 +640,33 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
     live: dict[tuple[int, int, int], MemoryEvent] = {}
     gradient = Category.GRADIENT if segments.transient_grads else None
     split = {(s.stage, s.microbatch) for s in steps if s.kind == "I"}
+    variants = segments.variants
     new = tuple.__new__  # ReplayedEvent(...) without its Python-level __new__: the hot path
+    marks_of, prereloads_of = segments.offload_marks, segments.prereloads
+    # fine-grained activation offloading: the groups a backward chunk reloads for the next
+    # non-empty one (modeling.common.offload ChunkHandler.marks / prereloads); early_done:
+    # (stage, microbatch) of that chunk -> how many of its groups were replayed early
+    early_done: dict[tuple[int, int], int] = {}
+    following: dict[int, int] = {}  # a B step -> the next B step of a chunk with groups
+    if marks_of:
+        later = None
+        for i in range(len(steps) - 1, -1, -1):
+            if steps[i].kind == "B":
+                if later is not None:
+                    following[i] = later
+                if segment_key(steps[i], pp, chunk_index)[0] in segments.offload_chunks:
+                    later = i
 
-    def run(index: int) -> Iterator[ReplayedEvent]:
-        step = steps[index]
-        stage, microbatch = step.stage, step.microbatch
-        key_of_step = segment_key(step, pp, chunk_index, (stage, microbatch) in split)
-        for event in segments.events[key_of_step]:
+    def key_of(step: Step) -> tuple[int, str, int]:
+        key_of_step = segment_key(step, pp, chunk_index, (step.stage, step.microbatch) in split)
+        if variants:
+            variant = variants.get((key_of_step[0], step.microbatch))
+            if variant is not None:
+                key_of_step = (key_of_step[0], key_of_step[1], variant)
+        return key_of_step
+
+    def play(index: int, stage: int, microbatch: int, events) -> Iterator[ReplayedEvent]:
+        for event in events:
             key = (stage, microbatch, event.storage_id)
             if event.action == "free":
                 held = live.pop(key, None)
@@ -547,6 +679,43 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
                 yield new(ReplayedEvent, (index, key, "free", event.nbytes, event))
             else:
                 live[key] = event
+
+    def early(index: int) -> Iterator[ReplayedEvent]:
+        """At a mark of B step ``index``: the next reloaded group of the next chunk."""
+        j = following.get(index)
+        if j is None:
+            return
+        target = steps[j]
+        tkey = key_of(target)
+        ranges = prereloads_of.get((tkey[0], tkey[2]), ())
+        done = early_done.get((target.stage, target.microbatch), 0)
+        if done < len(ranges):
+            a, b = ranges[done]
+            early_done[(target.stage, target.microbatch)] = done + 1
+            yield from play(index, target.stage, target.microbatch,
+                            segments.events[tkey][a:b])
+
+    def run(index: int) -> Iterator[ReplayedEvent]:
+        step = steps[index]
+        stage, microbatch = step.stage, step.microbatch
+        key_of_step = key_of(step)
+        events = segments.events[key_of_step]
+        if not marks_of or step.kind != "B":
+            yield from play(index, stage, microbatch, events)
+            return
+        where = (key_of_step[0], key_of_step[2])
+        done = early_done.pop((stage, microbatch), 0)
+        skip = prereloads_of.get(where, ())[:done]  # replayed at the previous chunk's marks
+        marks = marks_of.get(where, ())
+        cuts = sorted({0, len(events), *marks, *(p for r in skip for p in r)})
+        m = 0
+        for a, b in zip(cuts, cuts[1:] + [None]):
+            while m < len(marks) and marks[m] == a:
+                yield from early(index)
+                m += 1
+            if b is None or any(r[0] <= a and b <= r[1] for r in skip):
+                continue
+            yield from play(index, stage, microbatch, events[a:b])
 
     index = 0
     stretches = periodic_stretches(steps, split) if periodic else ()
@@ -579,7 +748,9 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
                     return ("held", key)
 
                 state = (frozenset((canon(key), id(e)) for key, e in live.items()),
-                         sink.state(canon) if sink is not None else None)
+                         sink.state(canon) if sink is not None else None,
+                         frozenset((canon((st, mb, None)), n)
+                                   for (st, mb), n in early_done.items()))
                 if pending is not None:  # k is one cycle past it
                     cycle = pending[1]
                     if state == pending[2] and (stretch.count - k) // cycle:
@@ -597,6 +768,10 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
                         moved = {rename(key): e for key, e in live.items()}
                         live.clear()
                         live.update(moved)
+                        held_early = {rename((st, mb, None))[:2]: n
+                                      for (st, mb), n in early_done.items()}
+                        early_done.clear()
+                        early_done.update(held_early)
                         if sink is not None:
                             sink.skip(rename, cycles, tuple(
                                 a - b for a, b in zip(sink.counters(), pending[3])))
@@ -767,6 +942,8 @@ class TracedClass:
     segments: Segments
     steps: list[Step]
     replayed: ReplayPeak | None = None
+    # fine-grained activation offloading's pinned host buffers (activation_host_bytes)
+    activation_host_bytes: int = 0
 
 
 def rank_classes(job: Job) -> list[RankClass]:
@@ -806,7 +983,11 @@ def rank_classes(job: Job) -> list[RankClass]:
                          # --first-last-layers-bf16: which layers run without FP8
                          tuple(job.profile.bf16_layer(i, cfg.num_layers) is not job.profile
                                for i in layers) if hasattr(job.profile, "bf16_layer")
-                         else None)
+                         else None,
+                         # fine-grained activation offloading: the manager's decisions follow
+                         # the stage's schedule
+                         tuple((s.kind, where.chunk_index(stage, s.stage), s.microbatch)
+                               for s in job.steps[stage]) if job.activation_offload else None)
             # stages of one signature share the first one's trace (its module paths
             # included), in this call and, through the cache, in any call with the same key
             chunks = representative.setdefault(signature, by_chunk)
@@ -839,7 +1020,8 @@ def trace_key(job: Job) -> tuple | None:
             (job.recompute_method, job.recompute_num_layers,
              job.distribute_saved_activations) if full else None,
             job.deallocate_pipeline_outputs, job.rounding, profile.name,
-            tuple(sorted(profile.options.items())), job.zero3_prefetch)
+            tuple(sorted(profile.options.items())), job.zero3_prefetch,
+            job.activation_offload)
 
 
 def step_key(job: Job) -> tuple:
@@ -920,11 +1102,16 @@ def _class_text(unit: RankClass, pp: int) -> str:
 
 
 def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
-                  progress: Callable[[str], None] | None = None) -> list[TracedClass]:
+                  progress: Callable[[str], None] | None = None, *,
+                  offload_warmup: bool = False) -> list[TracedClass]:
     """Each class's static memory and segments, from ``cache`` or traced (``_trace_fb``, then
-    ``_trace_step`` for the optimizer step), with the schedule steps it replays."""
+    ``_trace_step`` for the optimizer step), with the schedule steps it replays.
+    ``offload_warmup``: under fine-grained activation offloading, the first iteration's
+    manager decisions (everything offloaded) instead of a later iteration's."""
     par, where = job.parallel, _placement(job)
     key, step = trace_key(job), step_key(job)
+    if key is not None and job.activation_offload:
+        key = key + (offload_warmup,)
     if key is None:  # nothing to share with other calls
         cache = TraceCache()
     out = []
@@ -941,7 +1128,10 @@ def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
                 distribute_saved_activations=job.distribute_saved_activations,
                 deallocate=job.deallocate_pipeline_outputs, rounding=job.rounding,
                 zero3_prefetch=job.zero3_prefetch, kernels=job.profile, where=where,
-                kinds=unit.kinds, replace=job.replacements)
+                kinds=unit.kinds, replace=job.replacements,
+                activation_offload=None if not job.activation_offload else ActivationOffload(
+                    *job.activation_offload, tuple(job.steps[unit.stage]),
+                    lambda v, stage=unit.stage: where.chunk_index(stage, v), offload_warmup))
         static, segments = cache.get((key, unit.signature, unit.chunks), step, trace,
                                      lambda model, tracer, fb: _finish(job, model, tracer, fb))
         steps = job.steps[unit.stage]
@@ -958,6 +1148,8 @@ def replay_class(job: Job, traced: TracedClass) -> ReplayPeak:
     traced.replayed = replay_schedule(
         traced.steps, job.parallel.pp, traced.segments, floor_bytes(traced.static),
         lambda v: where.chunk_index(stage, v))
+    traced.activation_host_bytes = activation_host_bytes(
+        traced.steps, traced.segments, lambda v: where.chunk_index(stage, v))
     return traced.replayed
 
 
@@ -980,7 +1172,8 @@ def _row_fields(traced: TracedClass) -> dict:
         temporary_bytes=live.get("temporary", 0), input_bytes=live.get("input", 0),
         zero3_gather_bytes=live.get("parameter", 0), static=static,
         workspace_bytes=static.workspace_bytes,
-        host_bytes=static.host_bytes, host_pinned_bytes=static.host_pinned_bytes,
+        host_bytes=static.host_bytes + traced.activation_host_bytes,
+        host_pinned_bytes=static.host_pinned_bytes + traced.activation_host_bytes,
         ep_ranks=unit.ep_ranks if unit.ep_rank is not None else ())
 
 

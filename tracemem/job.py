@@ -401,7 +401,11 @@ class Job:
         optimizer: the step's Adam, "fused" or "torch" (``tracemem.optimizer_step``).
         optimizer_cpu_offload, optimizer_offload_fraction, pin_cpu_grads, pin_cpu_params:
             Megatron's optimizer CPU offload (``--optimizer-cpu-offload`` and its flags;
-            ``tracemem.offload``). ranks_per_node: GPUs per node, for the host memory a node
+            ``tracemem.offload``). fine_grained_activation_offloading, offload_modules,
+            min_offloaded_tensor_size: Megatron-Core's fine-grained activation offloading
+            (``--fine-grained-activation-offloading``, ``--offload-modules``,
+            ``--min-offloaded-tensor-size`` elements; ``modeling.common.offload``, the
+            decisions of an iteration after the first). ranks_per_node: GPUs per node, for the host memory a node
             needs (8).
         hbm: device memory per GPU ("80GiB"), or None; non_pytorch_memory: memory outside
             PyTorch's allocator added to the reserved peak (``NON_PYTORCH_MEMORY_DEFAULT``);
@@ -486,6 +490,9 @@ class Job:
     optimizer_offload_fraction: float = 1.0  # arguments.py's default (OptimizerConfig: 0.0)
     pin_cpu_grads: bool = True
     pin_cpu_params: bool = True
+    fine_grained_activation_offloading: bool = False
+    offload_modules: tuple[str, ...] = ()
+    min_offloaded_tensor_size: int = 1024 * 1024
     ranks_per_node: int = 8
     hbm: str | None = None
     non_pytorch_memory: str = NON_PYTORCH_MEMORY_DEFAULT
@@ -516,6 +523,7 @@ class Job:
     routing_model: Any = field(init=False, repr=False, compare=False)
     replacements: dict = field(init=False, repr=False, compare=False)
     optimizer_offload: Any = field(init=False, repr=False, compare=False)
+    activation_offload: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from modeling import ModelConfig, load_config
@@ -609,6 +617,7 @@ class Job:
                                    self.pin_cpu_params) if self.optimizer_cpu_offload else None
         check_optimizer_offload(offload, par, self.optimizer, self.profile.name)
         put(self, "optimizer_offload", offload)
+        put(self, "activation_offload", _check_activation_offload(self, par))
         _positive("--ranks-per-node", self.ranks_per_node, MAX_WORLD_SIZE)
         put(self, "alloc_config", parse_alloc_conf(self.alloc_conf))
         outside = parse_bytes(self.non_pytorch_memory, "--non-pytorch-memory", zero=True)
@@ -769,6 +778,9 @@ class Job:
                 "optimizer_offload_fraction": self.optimizer_offload_fraction
                 if self.optimizer_cpu_offload else None,
                 "pin_cpu_grads": self.pin_cpu_grads, "pin_cpu_params": self.pin_cpu_params,
+                "fine_grained_activation_offloading": self.fine_grained_activation_offloading,
+                "offload_modules": list(self.offload_modules),
+                "min_offloaded_tensor_size": self.min_offloaded_tensor_size,
                 "ranks_per_node": self.ranks_per_node,
                 "replace": {kind: getattr(f, "__qualname__", repr(f))
                             for kind, f in self.replacements.items()},
@@ -813,6 +825,73 @@ def _check_fp8_moe_act_cache(job) -> None:
     if job.recompute != "selective" or "moe_act" not in job.recompute_modules:
         raise TracememError("kernel option fp8_moe_act_cache caches moe_act's input in FP8: "
                             "give --recompute selective --recompute-modules moe_act")
+
+
+def _check_activation_offload(job: Job, par) -> tuple[frozenset[str], int] | None:
+    """The fine-grained activation offloading settings, (modules, min size), or None when it
+    is off.
+
+    Raises:
+        TracememError: modules without the flag or the flag without modules, an unknown
+            module, ``attn_proj`` without ``core_attn`` (``TransformerConfig.__post_init__``'s
+            rules at Megatron-LM 4e85d74ae9), a size below 0, and what tracemem does not model
+            with it: a profile other than megatron-te (Megatron: "only supported with
+            transformer_engine implementation"), a schedule other than Megatron's 1F1B and
+            interleaved 1F1B, full recompute, ``moe`` recompute with ``expert_fc1`` /
+            ``moe_act``."""
+    from modeling.common.offload import OFFLOAD_MODULES
+
+    modules = job.offload_modules
+    modules = (modules,) if isinstance(modules, str) else tuple(modules or ())
+    object.__setattr__(job, "offload_modules", modules)
+    on = job.fine_grained_activation_offloading
+    if not isinstance(on, bool):
+        raise TracememError(f"--fine-grained-activation-offloading {_show(on)} is invalid; "
+                            f"give True or False")
+    if not on:
+        if modules:
+            raise TracememError("--offload-modules needs --fine-grained-activation-offloading")
+        return None
+    if not modules:
+        raise TracememError("--fine-grained-activation-offloading needs --offload-modules "
+                            f"(one or more of {', '.join(OFFLOAD_MODULES)})")
+    later = [m for m in modules if m in ("fused_group_mlp", "gdp_qkv")]
+    if later:
+        raise TracememError(f"--offload-modules {', '.join(later)} is not modelled yet "
+                            f"(Megatron-LM d98e8a6's; tracemem models the groups as at "
+                            f"4e85d74ae9: {', '.join(OFFLOAD_MODULES)})")
+    unknown = [m for m in modules if m not in OFFLOAD_MODULES]
+    if unknown:
+        raise TracememError(f"--offload-modules {', '.join(map(str, unknown))} is invalid; "
+                            f"choose from {', '.join(OFFLOAD_MODULES)}")
+    if "attn_proj" in modules and "core_attn" not in modules:
+        raise TracememError("--offload-modules attn_proj cannot be set alone without core_attn "
+                            "because the input of attn_proj is the output of core_attn, "
+                            "which is needed in core_attn.backward() (Megatron's rule: add "
+                            "core_attn)")
+    size = job.min_offloaded_tensor_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise TracememError(f"--min-offloaded-tensor-size {_show(size)} is invalid; give a "
+                            f"number of elements (0 or more; Megatron's default 1048576)")
+    if job.profile.name != "megatron-te":
+        raise TracememError(f"--fine-grained-activation-offloading is only supported with "
+                            f"the transformer_engine implementation: use --kernels "
+                            f"megatron-te, not --kernels {job.profile.name}")
+    if job.schedule not in ("1f1b", "interleaved-1f1b"):
+        raise TracememError(f"--fine-grained-activation-offloading with --schedule "
+                            f"{job.schedule} is not modelled: Megatron's offload manager "
+                            f"queues chunks in its 1F1B / interleaved 1F1B order; use "
+                            f"--schedule 1f1b or interleaved-1f1b")
+    if job.recompute == "full":
+        raise TracememError("--fine-grained-activation-offloading with --recompute full is not "
+                            "modelled (the groups would start again inside the recompute); "
+                            "use --recompute selective or none")
+    if job.recompute == "selective" and "moe" in job.recompute_modules \
+            and {"expert_fc1", "moe_act"} & set(modules):
+        raise TracememError("--offload-modules expert_fc1 / moe_act with --recompute-modules "
+                            "moe is not modelled (the groups would start again inside the "
+                            "MoE recompute); drop one")
+    return frozenset(modules), size
 
 
 def _check_op_recompute(job, par) -> None:

@@ -270,16 +270,17 @@ def format_verdict(verdict: dict[str, Any], units: str = "GiB", hbm_given: str |
 
 def format_host_memory(verdict: dict[str, Any], units: str = "GiB") -> str | None:
     """The verdict's host-memory line, or None when the job puts nothing on the host:
-    "Host memory (optimizer offload, EMA): 9.50 GiB per rank at most (4.00 GiB pinned),
-    76.00 GiB per node of 8 ranks (32.00 GiB pinned)." """
+    "Host memory (optimizer and activation offload, EMA): 9.50 GiB per rank at most
+    (4.00 GiB pinned), 76.00 GiB per node of 8 ranks (32.00 GiB pinned)." """
     host = verdict.get("host") or {}
     if not host.get("per_rank_bytes"):
         return None
     units = pick_units(host["per_rank_bytes"]) if units == "auto" else units
     size = lambda n: _size_label(n, units)  # noqa: E731
     n = host["ranks_per_node"]
-    return (f"Host memory (optimizer offload, EMA): {size(host['per_rank_bytes'])} per rank "
-            f"at most ({size(host['pinned_per_rank_bytes'])} pinned), "
+    return (f"Host memory (optimizer and activation offload, EMA): "
+            f"{size(host['per_rank_bytes'])} per rank at most "
+            f"({size(host['pinned_per_rank_bytes'])} pinned), "
             f"{size(host['per_node_bytes'])} per node of {n} rank{'s' * (n != 1)} "
             f"({size(host['pinned_per_node_bytes'])} pinned).")
 

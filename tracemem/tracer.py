@@ -447,6 +447,22 @@ class MemoryTracer(TorchDispatchMode):
             rec.category = Category.ACTIVATION  # a received buffer kept for backward is one
         return t.detach()
 
+    def saved_for_backward(self, t: Tensor) -> Tensor:
+        """What the tracer's own saved-tensor pack hook does (``_pack_hook``), for a hook
+        pushed inside the tracer's that replaces it (fine-grained activation offloading,
+        ``modeling.common.offload``): the storage becomes an activation; returns
+        ``t.detach()``."""
+        return self._pack_hook(t)
+
+    def born_in_trace(self, t: Tensor) -> bool:
+        """Whether ``t``'s storage was made in the traced region (not a parameter, buffer or
+        other storage made before it)."""
+        try:
+            rec = self._live.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            return False
+        return rec is not None and rec.phase is not Phase.EXTERNAL
+
     def storage_resized(self, tensor: Tensor) -> None:
         """Record that ``tensor``'s storage changed size outside any op
         (``tensor.untyped_storage().resize_(n)`` runs below the dispatcher, so no op reports

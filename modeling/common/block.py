@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from modeling.common import offload
 from modeling.common.checkpoint import CheckpointWithoutOutput, megatron_checkpoint
 from modeling.common.config import ModelConfig
 from modeling.common.custom import LayerContext, Replacements, build_replacement
@@ -197,26 +198,33 @@ class Block(nn.Module):
     def _forward(self, x: Tensor, routing: RoutingModel) -> Tensor:
         # each branch output stays alive through its dropout and residual add (Megatron's
         # attention_output_with_bias / mlp_output_with_bias, held until the bias-dropout-add
-        # returns), then goes
+        # returns), then goes. Fine-grained activation offloading (modeling.common.offload):
+        # the attn_norm / mlp_norm groups start at the norm and commit after the residual add,
+        # releasing the residual (transformer_layer.py _forward_attention / _forward_mlp)
         megatron = self.kernels.orchestration == "megatron"
-        if megatron and isinstance(self.attn, GQA):
+        fused_attn_norm = megatron and isinstance(self.attn, GQA)  # IdentityOp, no group
+        with offload.group("attn_norm", x, not fused_attn_norm) as x:
+            if not fused_attn_norm:
+                normed, ckpt = self._norm(self.attn_norm, x)
+        if fused_attn_norm:
             out = self.attn(x, self.attn_norm)  # norm fused into linear_qkv
         else:
-            normed, ckpt = self._norm(self.attn_norm, x)
             out = self.attn(normed)
             del normed
             if ckpt is not None:  # transformer_layer.py _forward_attention
                 ckpt.discard_output_and_register_recompute(out)
-        x = x + self._dropout(out)
-        del out
-        if megatron and isinstance(self.ffn, MLP):
+        residual = x
+        x = offload.commit(x + self._dropout(out), "attn_norm", [residual], not fused_attn_norm)
+        del out, residual
+        if megatron and isinstance(self.ffn, MLP):  # pre_mlp_layernorm IdentityOp: no group
             run = lambda x: self.ffn(x, self.ffn_norm)  # noqa: E731  (norm fused into fc1)
             if "mlp" in self.recompute_modules:  # transformer_layer.py _run_mlp
                 out = megatron_checkpoint(run, None, x)
             else:
                 out = run(x)
             return x + self._dropout(out)
-        h, ckpt = self._norm(self.ffn_norm, x)
+        with offload.group("mlp_norm", x) as x:
+            h, ckpt = self._norm(self.ffn_norm, x)
         if isinstance(self.ffn, MoE):
             run = lambda h: self.ffn(h, routing)  # noqa: E731
         else:
@@ -229,7 +237,30 @@ class Block(nn.Module):
             out = run(h)
         if ckpt is not None:  # transformer_layer.py _apply_mlp_bda_step
             ckpt.discard_output_and_register_recompute(out)
-        return x + self._dropout(out)
+        return offload.commit(x + self._dropout(out), "mlp_norm", [x])
+
+    def offload_groups(self, modules: frozenset[str] | set[str]) -> list[str]:
+        """The fine-grained offloading groups this layer's forward starts, in order, for the
+        ``--offload-modules`` ``modules`` (``modeling.common.offload``): ``attn_norm``; under
+        Megatron's attention (MLA or grouped-query) ``qkv_linear``, ``core_attn`` (unless
+        core attention is recomputed: ``_checkpointed_attention_forward`` has no group) and
+        ``attn_proj``; ``mlp_norm``; in an MoE layer with grouped experts under a Megatron
+        profile ``expert_fc1`` and ``moe_act`` (``TEGroupedMLP``). Megatron skips a norm that
+        is an ``IdentityOp`` (transformer_layer.py ``offload_attn_norm`` /
+        ``offload_mlp_norm``): fused into ``linear_qkv`` (grouped-query attention) or into
+        the dense MLP's fc1."""
+        megatron = self.kernels.orchestration == "megatron"
+        # offload_attn_norm / offload_mlp_norm: not for an IdentityOp norm (fused into
+        # linear_qkv under grouped-query attention, into fc1 in a dense layer)
+        names = [] if megatron and isinstance(self.attn, GQA) else ["attn_norm"]
+        if megatron and isinstance(self.attn, (MLA, GQA)):
+            names += ["qkv_linear"] + (["core_attn"] if "core_attn" not in self.attn.recompute
+                                       else []) + ["attn_proj"]
+        if not (megatron and isinstance(self.ffn, MLP)):
+            names.append("mlp_norm")
+        if isinstance(self.ffn, MoE) and self.ffn.offload_experts():
+            names += ["expert_fc1", "moe_act"]
+        return [n for n in names if n in modules]
 
     def _dropout(self, out: Tensor) -> Tensor:
         """Hidden dropout (``cfg.hidden_dropout``) of an attention or FFN output ``(b, s_local,

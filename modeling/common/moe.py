@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from torch.utils.checkpoint import checkpoint
 
+from modeling.common import offload
 from modeling.common.checkpoint import CheckpointWithoutOutput, megatron_checkpoint
 from modeling.common.config import ModelConfig
 from modeling.kernels import KernelProfile, get_profile
@@ -115,26 +116,36 @@ def _megatron_experts(k: KernelProfile, x: Tensor, probs: Tensor, fc1: list[Tens
         x, probs, padded = k.fp8_pad(x, probs, counts)
         if padded != list(counts):
             unpad, extra = counts, {"counts": padded}
-    hidden = k.grouped_linear(x, fc1, (2 if gated else 1) * inter, **extra)
+    # fine-grained activation offloading (modeling.common.offload): the expert_fc1 group
+    # around fc1, committed on its output releasing fc1's input; the moe_act group around the
+    # activation, committed after fc2 releasing fc1's output (experts.py TEGroupedMLP.forward)
+    with offload.group("expert_fc1", x) as x:
+        hidden = k.grouped_linear(x, fc1, (2 if gated else 1) * inter, **extra)
+    hidden = offload.commit(hidden, "expert_fc1", [x])
+    del x
     if recompute_act and fp8 and k.options.get("fp8_moe_act_cache"):
         ckpt = CheckpointWithoutOutput()
         run = _FP8CachedActivation(k, gated, activation)
-        act = ckpt.checkpoint(run, hidden, probs)
+        with offload.group("moe_act", hidden) as hidden:
+            act = ckpt.checkpoint(run, hidden, probs)
         run.cache_and_drop(hidden)  # the FP8 cache made, fc1's bf16 output freed
-        del hidden
         out = k.grouped_linear(act, fc2, h, **extra, save_original_input=True)
         ckpt.discard_output_and_register_recompute(out)
     elif recompute_act:
         ckpt = CheckpointWithoutOutput()
-        act = ckpt.checkpoint(lambda y, p: _weighted_activation(k, y, p, gated, activation),
-                              hidden, probs)
-        del hidden
+        with offload.group("moe_act", hidden) as hidden:
+            act = ckpt.checkpoint(lambda y, p: _weighted_activation(k, y, p, gated,
+                                                                    activation), hidden, probs)
         out = k.grouped_linear(act, fc2, h, **extra, **(
             {"save_original_input": True} if fp8 else {}))
         ckpt.discard_output_and_register_recompute(out)
     else:
-        out = k.grouped_linear(_weighted_activation(k, hidden, probs, gated, activation), fc2,
-                               h, **extra)
+        with offload.group("moe_act", hidden) as hidden:
+            act = _weighted_activation(k, hidden, probs, gated, activation)
+        out = k.grouped_linear(act, fc2, h, **extra)
+    del act
+    out = offload.commit(out, "moe_act", [hidden])
+    del hidden
     return out if unpad is None else k.fp8_unpad(out, unpad)
 
 
@@ -378,6 +389,12 @@ class MoE(nn.Module):
         if grouped:
             self.experts.recompute_act = "moe_act" in modules
         self.recompute_shared = "shared_experts" in modules
+
+    def offload_experts(self) -> bool:
+        """Whether the routed experts start the ``expert_fc1`` and ``moe_act`` offloading
+        groups: grouped experts under a Megatron profile (``TEGroupedMLP``)."""
+        k = self.experts.kernels if isinstance(self.experts, GroupedExperts) else None
+        return k is not None and k.orchestration == "megatron"
 
     def _shared(self, x: Tensor) -> Tensor:
         """The shared experts on ``x`` ``(b, s_local, h)`` (``_shared_experts``), recomputed

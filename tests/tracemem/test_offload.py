@@ -214,7 +214,8 @@ def test_the_json_and_the_verdict_say_the_host_memory():
                             "pinned_per_node_bytes": 983_040}
     assert data["ranks"][0]["host_bytes"] == 1_900_580
     line = format_host_memory(data["verdict"], "B")
-    assert line == ("Host memory (optimizer offload, EMA): 1,900,580 B per rank at most "
+    assert line == ("Host memory (optimizer and activation offload, EMA): 1,900,580 B per rank "
+                    "at most "
                     "(983,040 B pinned), 1,900,580 B per node of 8 ranks (983,040 B pinned).")
     assert line in format_estimate(result, units="B")
     assert format_host_memory(get_estimate(estimate(_job(), trace_cache=CACHE))["verdict"]) \

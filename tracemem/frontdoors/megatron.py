@@ -582,6 +582,16 @@ def _optimizer_offload(ns) -> dict[str, Any]:
             "pin_cpu_grads": bool(ns.pin_cpu_grads), "pin_cpu_params": bool(ns.pin_cpu_params)}
 
 
+def _activation_offload(ns) -> dict[str, Any]:
+    """The Job's fine-grained activation offloading fields (``modeling.common.offload``);
+    none without ``--fine-grained-activation-offloading`` (its flags have no effect then)."""
+    if not ns.fine_grained_activation_offloading:
+        return {}
+    return {"fine_grained_activation_offloading": True,
+            "offload_modules": tuple(ns.offload_modules or ()),
+            "min_offloaded_tensor_size": int(ns.min_offloaded_tensor_size)}
+
+
 def _zero(ns) -> int:
     if ns.use_megatron_fsdp:
         strategy = ns.data_parallel_sharding_strategy
@@ -811,6 +821,7 @@ def megatron_job_kwargs(argv, *, env: Mapping[str, str] | None = None,
         "experts": ("grouped" if ns.moe_grouped_gemm else "sequential") if experts else "auto",
         "kernels": "megatron-te", "kernel_options": kernel_options,
         "routing": "balanced", "optimizer": "fused", **_optimizer_offload(ns),
+        **_activation_offload(ns),
         "deallocate_pipeline_outputs": True,  # core_transformer_config_from_args sets it
         "alloc_conf": env.get("PYTORCH_CUDA_ALLOC_CONF"),
         "cublas_workspace_config": env.get("CUBLAS_WORKSPACE_CONFIG"),
@@ -983,6 +994,8 @@ _GROUP_FLAGS: dict[str, tuple[str, ...]] = {
              "--data-parallel-sharding-strategy", "--num-distributed-optimizer-instances"),
     "optimizer_offload": ("--optimizer-cpu-offload", "--optimizer-offload-fraction",
                           "--no-pin-cpu-grads", "--no-pin-cpu-params"),
+    "activation_offload": ("--fine-grained-activation-offloading", "--offload-modules",
+                           "--min-offloaded-tensor-size"),
     "precision": ("--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32",
                   "--no-gradient-accumulation-fusion", "--use-precision-aware-optimizer",
                   "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
@@ -1316,6 +1329,11 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
             _num(f.get("optimizer_offload_fraction", 1.0))]
         + ([] if f.get("pin_cpu_grads", True) else ["--no-pin-cpu-grads"])
         + ([] if f.get("pin_cpu_params", True) else ["--no-pin-cpu-params"]),
+        "activation_offload": lambda: [] if not f.get("fine_grained_activation_offloading")
+        else ["--fine-grained-activation-offloading", "--offload-modules",
+              *f.get("offload_modules", ())]
+        + ([] if f.get("min_offloaded_tensor_size", 1024 * 1024) == 1024 * 1024 else [
+            "--min-offloaded-tensor-size", str(f["min_offloaded_tensor_size"])]),
     }
     out: dict[str, list[str] | _Unstated] = {}
     for name in _GROUP_FLAGS:

@@ -163,6 +163,22 @@ HONOURED: dict[str, str] = {
     "--transformer-impl": "kernels 'megatron-te' (transformer_engine); local and "
                           "inference_optimized refused",
     # _add_network_size_args: network size
+    "--fine-grained-activation-offloading": "fine_grained_activation_offloading: "
+                                            "Megatron-Core's per-module offload / reload "
+                                            "(pipeline_parallel/"
+                                            "fine_grained_activation_offload.py at "
+                                            "4e85d74ae9; modeling.common.offload): the "
+                                            "groups' saved tensors to pinned host buffers "
+                                            "at each commit, reloaded in backward, the "
+                                            "manager's kept groups after the first "
+                                            "iteration, the early reloads during the "
+                                            "previous backward chunk; the host buffers in "
+                                            "host memory",
+    "--offload-modules": "offload_modules (attn_norm, qkv_linear, core_attn, attn_proj, "
+                         "mlp_norm, expert_fc1, moe_act; d98e8a6's fused_group_mlp and "
+                         "gdp_qkv refused)",
+    "--min-offloaded-tensor-size": "min_offloaded_tensor_size: elements; smaller saved "
+                                   "tensors stay on the device",
     "--encoder-num-layers": "model num_layers when --num-layers is not given (validate_args)",
     "--group-query-attention": "model num_key_value_heads from --num-query-groups (absent: "
                                "MHA)",
@@ -450,16 +466,9 @@ NEUTRAL: dict[str, str] = {
     "--gdp-cutedsl-kernel": _only("--is-hybrid-model / --hybrid-layer-pattern"),
     "--gdp-num-chunk-states-to-recompute": _only("--is-hybrid-model / --hybrid-layer-pattern"),
     "--mlp-chunks-for-prefill": _INFER,
-    "--offload-modules": _only("--fine-grained-activation-offloading"),
-    "--min-offloaded-tensor-size": _only("--fine-grained-activation-offloading"),
-    "--delay-offload-until-cuda-graph": _only("--fine-grained-activation-offloading"),
-    "--delta-offload-bytes-across-pp-ranks": _only("--fine-grained-activation-offloading"),
-    "--activation-offload-fraction": _only("--fine-grained-activation-offloading"),
     "--moe-paged-stash-page-size": _only("--moe-paged-stash"),
     "--moe-paged-stash-buffer-size-factor-cuda": _only("--moe-paged-stash"),
     "--moe-paged-stash-buffer-size-factor-cpu": _only("--moe-paged-stash"),
-    "--fine-grained-offloading-max-inflight-offloads": _only(
-        "--fine-grained-activation-offloading"),
     # _add_network_size_args: network size
     "--decoder-num-layers": "T5's decoder: pretrain_gpt.py builds no decoder stack from it",
     "--window-attn-skip-freq": _only("--window-size"),
@@ -987,6 +996,8 @@ NEUTRAL: dict[str, str] = {
 }
 
 _NMY = "not modelled yet: "
+_D98 = ("Megatron-LM d98e8a6's addition to fine-grained activation offloading (tracemem "
+        "models the manager as at 4e85d74ae9: modeling.common.offload)")
 
 REFUSED: dict[str, str] = {
     # _add_network_size_args: TransformerConfig fields (ArgumentGroupFactory)
@@ -1089,15 +1100,11 @@ REFUSED: dict[str, str] = {
     "--symmetric-ar-type": _NMY + "symmetric-memory all-reduce buffers",
     "--is-hybrid-model": _NMY + "hybrid (Mamba) models",
     "--mlp-chunks-for-training": _NMY + "the MLP run in sequence chunks",
-    "--fine-grained-activation-offloading": _NMY + "activation offloading to the host: "
-                                            "the per-module offload / reload "
-                                            "schedule of Megatron-Core's "
-                                            "pipeline_parallel/fine_grained_activation_offload"
-                                            ".py (groups per --offload-modules call, tensors "
-                                            "of 1M elements or more, reloads one group ahead "
-                                            "across microbatches, the pinned host pool; "
-                                            "docs/offload.md)",
+    "--delay-offload-until-cuda-graph": _NMY + _D98,
+    "--delta-offload-bytes-across-pp-ranks": _NMY + _D98,
+    "--activation-offload-fraction": _NMY + _D98,
     "--moe-paged-stash": _NMY + "the paged stash of expert activations",
+    "--fine-grained-offloading-max-inflight-offloads": _NMY + _D98,
     # _add_network_size_args: network size
     "--window-size": _NMY + "sliding-window attention",
     "--no-rope-freq": _NMY + "layers without RoPE",
@@ -1236,7 +1243,9 @@ ENV_NEUTRAL: dict[str, str] = {
     "NVTE_FWD_LAYERNORM_SM_MARGIN": "SMs left to communication kernels",
     "NVTE_BWD_LAYERNORM_SM_MARGIN": "SMs left to communication kernels",
     "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE": "checkpoint loading",
-    "NVTE_CPU_OFFLOAD_V1": "no effect without activation offloading (refused)",
+    "NVTE_CPU_OFFLOAD_V1": "TE's CPU offload code path (1: the v1 path Megatron's "
+                           "fine-grained activation offloading needs with TE >= 2.10, "
+                           "validate_args; its hooks are Megatron's, modelled with the flag)",
     "NVTE_FLASH_ATTN_V2": "which FlashAttention generation (the same saved tensors)",
     "NVTE_FLASH_ATTN_V3": "which FlashAttention generation (the same saved tensors)",
     "NVTE_FLASH_ATTN_V4": "which FlashAttention generation (the same saved tensors)",

@@ -213,7 +213,12 @@ def score_case(case) -> BoardRow:
     static = traced.static
     after = (static.param_bytes + static.grad_bytes + static.optimizer_bytes
              + static.buffer_bytes + static.workspace_bytes)
-    first = first_step_peak(job, traced) if case.iteration1_bytes else None
+    first = None
+    if case.iteration1_bytes:
+        warm = traced
+        if job.activation_offload:  # iteration 1 is the offload manager's warm-up
+            (warm,) = trace_classes(job, [unit], TraceCache(), offload_warmup=True)
+        first = first_step_peak(job, warm)
     return BoardRow(case.name, case.gpu, case.world_size, case.measured_iteration,
                     case.measured_bytes, row.allocated_peak_bytes, row.peak_bytes,
                     unit.stage, job.world_size - 1, notes, row.workspace_bytes,

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from modeling.common import offload
 from modeling.common.checkpoint import megatron_checkpoint
 from modeling.common.attention.mla import check_attention_kernel
 from modeling.common.config import ModelConfig
@@ -184,35 +185,49 @@ class GQA(nn.Module):
 
     # ------------------------------------------------------- Megatron-Core's SelfAttention
     def _forward_megatron(self, x: Tensor, norm: nn.Module | None) -> Tensor:
+        # fine-grained activation offloading (modeling.common.offload): qkv_linear around
+        # get_query_key_value_tensors (committed on its outputs, nothing released), core_attn
+        # around core attention (releasing query, key, value), attn_proj around linear_proj
+        # (releasing its input): attention.py Attention.forward
         kern, d = self.kernels, self.head_dim
-        mixed = self.wq(x, "column", self.sp, norm, fused=(self.wk, self.wv))
-        b, s, _ = mixed.shape  # (b, s / cp, n_kv * (n / n_kv + 2) * d)
-        per_group = self.num_heads // self.num_kv_heads
-        mixed = mixed.view(b, s, self.num_kv_heads, (per_group + 2) * d)
-        query, key, value = mixed.split([per_group * d, d, d], dim=3)
-        query = query.reshape(b, s, -1, d)  # (b, s, n_local, d): a copy
-        if hasattr(self, "q_norm"):  # TENorm (it copies a strided input: kernels.norm)
-            query, key = self.q_norm(query), self.k_norm(key)
+        with offload.group("qkv_linear", x) as x:
+            mixed = self.wq(x, "column", self.sp, norm, fused=(self.wk, self.wv))
+            b, s, _ = mixed.shape  # (b, s / cp, n_kv * (n / n_kv + 2) * d)
+            per_group = self.num_heads // self.num_kv_heads
+            mixed = mixed.view(b, s, self.num_kv_heads, (per_group + 2) * d)
+            query, key, value = mixed.split([per_group * d, d, d], dim=3)
+            del mixed
+            query = query.reshape(b, s, -1, d)  # (b, s, n_local, d): a copy
+            if hasattr(self, "q_norm"):  # TENorm (it copies a strided input: kernels.norm)
+                query, key = self.q_norm(query), self.k_norm(key)
+        query, key, value = offload.commit((query, key, value), "qkv_linear")
         if self.rope:
             query = kern.rope_bshd(query, self.inv_freq)
             key = kern.rope_bshd(key, self.inv_freq)  # (b, s, n_kv_local, d)
         # value stays a strided slice of linear_qkv's output: TE's fused attention copies it
         # (modeling.kernels.attention.te_fused_attention, get_qkv_layout)
-        if self.cp > 1 and getattr(kern, "cp_ring", False):
-            # --cp-comm-type p2p: TE's ring attention passes K and V round the CP group
-            if "core_attn" in self.recompute:
-                out = megatron_checkpoint(kern.ring_attention, None, query, key, value,
-                                          self.cp)  # attention.py: reentrant
+        with offload.group("core_attn" if "core_attn" not in self.recompute else "",
+                           query) as query:
+            if self.cp > 1 and getattr(kern, "cp_ring", False):
+                # --cp-comm-type p2p: TE's ring attention passes K and V round the CP group
+                if "core_attn" in self.recompute:
+                    out = megatron_checkpoint(kern.ring_attention, None, query, key, value,
+                                              self.cp)  # attention.py: reentrant
+                else:
+                    out = kern.ring_attention(query, key, value, self.cp)
             else:
-                out = kern.ring_attention(query, key, value, self.cp)
-            return self.wo(out, "row", self.sp)  # (b, s / (cp * sp), h)
-        # CP: every rank needs all keys and values (all-gather variant of context parallelism)
-        key, value = all_gather(key, self.cp, dim=1), all_gather(value, self.cp, dim=1)
-        if "core_attn" in self.recompute:
-            # transformer/attention.py _checkpointed_attention_forward: reentrant
-            out = megatron_checkpoint(kern.core_attention, None, query, key, value,
-                                      self.scale, self.attention, self._dropout)
-        else:
-            out = kern.core_attention(query, key, value, self.scale, self.attention,
-                                      self._dropout)
-        return self.wo(out, "row", self.sp)  # (b, s / (cp * sp), h)
+                # CP: every rank needs all keys and values (all-gather variant of context
+                # parallelism)
+                key, value = all_gather(key, self.cp, dim=1), all_gather(value, self.cp, dim=1)
+                if "core_attn" in self.recompute:
+                    # transformer/attention.py _checkpointed_attention_forward: reentrant
+                    out = megatron_checkpoint(kern.core_attention, None, query, key, value,
+                                              self.scale, self.attention, self._dropout)
+                else:
+                    out = kern.core_attention(query, key, value, self.scale, self.attention,
+                                              self._dropout)
+        if "core_attn" not in self.recompute:
+            out = offload.commit(out, "core_attn", [query, key, value])
+        with offload.group("attn_proj", out) as out:
+            output = self.wo(out, "row", self.sp)  # (b, s / (cp * sp), h)
+        return offload.commit(output, "attn_proj", [out])

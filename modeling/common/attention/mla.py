@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from modeling.common import offload
 from modeling.common.checkpoint import CheckpointWithoutOutput, megatron_checkpoint
 from modeling.common.config import ModelConfig
 from modeling.kernels import KernelProfile, get_profile
@@ -215,30 +216,49 @@ class MLA(nn.Module):
 
     # ------------------------------------------------------------------ Megatron-Core's MLA
     def _forward_megatron(self, x: Tensor) -> Tensor:
-        if hasattr(self, "wq"):  # no q LoRA: linear_q_proj is column-parallel on x
-            q_compressed = x
-        else:  # linear_q_down_proj: duplicated TELinear, (b, s_local, q_lora_rank)
-            q_compressed = self.wq_a(x)
-        kv_combined = self.wkv_a(x)  # (b, s_local, kv_lora + d_r)
-        kv_compressed, k_pos_emb = kv_combined.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        # gather_from_sequence_parallel_region (a contiguous input for the collective)
-        k_pos_emb = all_gather(k_pos_emb.contiguous() if self.sp > 1 else k_pos_emb, self.sp,
-                               dim=1)  # (b, s / cp, d_r)
-        # get_query_key_value_tensors returns before core attention runs, so the up
-        # projections' outputs (not saved by anyone) are freed before it
-        if "mla_up_proj" in self.recompute:
-            # the up projections and RoPE under CheckpointWithoutOutput: query, key and value
-            # are freed once core attention has saved them, and recomputed when the gradient
-            # of core attention's output arrives (multi_latent_attention.py
-            # get_query_key_value_tensors, forward: discard_output_and_register_recompute)
-            ckpt = CheckpointWithoutOutput()
-            out = self._attention_megatron(*ckpt.checkpoint(
-                self._qkv_megatron, q_compressed, kv_compressed, k_pos_emb))
-            ckpt.discard_output_and_register_recompute(out)
+        # fine-grained activation offloading (modeling.common.offload): qkv_linear around
+        # get_query_key_value_tensors (committed on the query, releasing the input),
+        # core_attn around core attention (releasing query, key, value), attn_proj around
+        # linear_proj (releasing its input): multi_latent_attention.py MLASelfAttention.forward
+        with offload.group("qkv_linear", x) as x:
+            if hasattr(self, "wq"):  # no q LoRA: linear_q_proj is column-parallel on x
+                q_compressed = x
+            else:  # linear_q_down_proj: duplicated TELinear, (b, s_local, q_lora_rank)
+                q_compressed = self.wq_a(x)
+            kv_combined = self.wkv_a(x)  # (b, s_local, kv_lora + d_r)
+            kv_compressed, k_pos_emb = kv_combined.split([self.kv_lora_rank, self.rope_dim],
+                                                         dim=-1)
+            # gather_from_sequence_parallel_region (a contiguous input for the collective)
+            k_pos_emb = all_gather(k_pos_emb.contiguous() if self.sp > 1 else k_pos_emb,
+                                   self.sp, dim=1)  # (b, s / cp, d_r)
+            del kv_combined
+            # get_query_key_value_tensors returns before core attention runs, so the up
+            # projections' outputs (not saved by anyone) are freed before it
+            ckpt = None
+            if "mla_up_proj" in self.recompute:
+                # the up projections and RoPE under CheckpointWithoutOutput: query, key and
+                # value are freed once core attention has saved them, and recomputed when the
+                # gradient of core attention's output arrives (multi_latent_attention.py
+                # get_query_key_value_tensors, forward: discard_output_and_register_recompute)
+                ckpt = CheckpointWithoutOutput()
+                qkv = ckpt.checkpoint(self._qkv_megatron, q_compressed, kv_compressed,
+                                      k_pos_emb)
+            else:
+                qkv = self._qkv_megatron(q_compressed, kv_compressed, k_pos_emb)
+            del k_pos_emb  # a local of get_query_key_value_tensors (the others it returns)
+        query, key, value = offload.commit(tuple(qkv), "qkv_linear", [x])
+        del qkv
+        if "core_attn" in self.recompute:  # no group: _checkpointed_attention_forward
+            out = self._attention_megatron(query, key, value)
         else:
-            out = self._attention_megatron(
-                *self._qkv_megatron(q_compressed, kv_compressed, k_pos_emb))
-        return self.wo(out, "row", self.sp)  # (b, s_local, h)
+            with offload.group("core_attn", query) as query:
+                out = self._attention_megatron(query, key, value)
+            out = offload.commit(out, "core_attn", [query, key, value])
+        if ckpt is not None:
+            ckpt.discard_output_and_register_recompute(out)
+        with offload.group("attn_proj", out) as out:
+            output = self.wo(out, "row", self.sp)  # (b, s_local, h)
+        return offload.commit(output, "attn_proj", [out])
 
     def _attention_megatron(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         """Core attention; with ``core_attn`` recompute under Megatron's reentrant
