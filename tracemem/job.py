@@ -842,7 +842,13 @@ def _check_activation_offload(job: Job, par) -> tuple[frozenset[str], int] | Non
     from modeling.common.offload import OFFLOAD_MODULES
 
     modules = job.offload_modules
-    modules = (modules,) if isinstance(modules, str) else tuple(modules or ())
+    if modules is None:
+        modules = ()
+    if not isinstance(modules, (str, tuple, list)) or (
+            not isinstance(modules, str) and not all(isinstance(m, str) for m in modules)):
+        raise TracememError(f"--offload-modules {_show(modules)} is invalid; give module names "
+                            f"(a tuple of strings), such as ('core_attn', 'moe_act')")
+    modules = (modules,) if isinstance(modules, str) else tuple(modules)
     object.__setattr__(job, "offload_modules", modules)
     on = job.fine_grained_activation_offloading
     if not isinstance(on, bool):
