@@ -405,8 +405,8 @@ class Job:
             min_offloaded_tensor_size: Megatron-Core's fine-grained activation offloading
             (``--fine-grained-activation-offloading``, ``--offload-modules``,
             ``--min-offloaded-tensor-size`` elements; ``modeling.common.offload``, the
-            decisions of an iteration after the first). ranks_per_node: GPUs per node, for the host memory a node
-            needs (8).
+            decisions of an iteration after the first). ranks_per_node: GPUs per node, for
+            the host memory a node needs (8).
         hbm: device memory per GPU ("80GiB"), or None; non_pytorch_memory: memory outside
             PyTorch's allocator added to the reserved peak (``NON_PYTORCH_MEMORY_DEFAULT``);
             alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` string for the simulated allocator.

@@ -216,3 +216,28 @@ def test_megatron_arguments_reach_the_job():
         megatron_job_kwargs(base + ["--fine-grained-activation-offloading", "--offload-modules",
                                     "core_attn", "--activation-offload-fraction", "0.5"],
                             world_size=8)
+
+
+@pytest.mark.parametrize("recompute", ["core_attn", "layernorm"])
+def test_grouped_query_attention_has_no_attn_norm_group_and_no_core_attn_one_when_recomputed(
+        recompute):
+    # Megatron's TE spec fuses the input norm into linear_qkv (IdentityOp: no attn_norm group)
+    # and the dense pre-MLP norm into fc1 (no mlp_norm group); core_attn recompute runs
+    # _checkpointed_attention_forward, outside any group. The trace checks the groups it starts
+    # against Block.offload_groups
+    from modeling.common.block import Block
+    from modeling.parallel.build import build_rank
+    from tracemem.estimator import estimate
+    from tracemem.job import Job
+
+    job = Job(model="llama-tiny", world_size=1, micro_batch_size=1, seq_length=64,
+              num_microbatches=2, recompute="selective", recompute_modules=(recompute,),
+              fine_grained_activation_offloading=True, offload_modules=MODULES[:5],
+              min_offloaded_tensor_size=0)
+    block = next(m for m in build_rank(job.config, job.parallel, 0, kernels=job.profile,
+                                       dtype=torch.bfloat16).modules() if isinstance(m, Block))
+    block.set_recompute("selective", frozenset({recompute}))
+    assert block.offload_groups(set(MODULES)) == (
+        ["qkv_linear", "attn_proj"] if recompute == "core_attn"
+        else ["qkv_linear", "core_attn", "attn_proj"])
+    assert estimate(job).ranks[0].host_bytes > 0

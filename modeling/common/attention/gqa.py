@@ -206,11 +206,11 @@ class GQA(nn.Module):
             key = kern.rope_bshd(key, self.inv_freq)  # (b, s, n_kv_local, d)
         # value stays a strided slice of linear_qkv's output: TE's fused attention copies it
         # (modeling.kernels.attention.te_fused_attention, get_qkv_layout)
-        with offload.group("core_attn" if "core_attn" not in self.recompute else "",
-                           query) as query:
+        checkpointed = "core_attn" in self.recompute  # no group: _checkpointed_attention_forward
+        with offload.group("core_attn", query, not checkpointed) as query:
             if self.cp > 1 and getattr(kern, "cp_ring", False):
                 # --cp-comm-type p2p: TE's ring attention passes K and V round the CP group
-                if "core_attn" in self.recompute:
+                if checkpointed:
                     out = megatron_checkpoint(kern.ring_attention, None, query, key, value,
                                               self.cp)  # attention.py: reentrant
                 else:
@@ -219,15 +219,14 @@ class GQA(nn.Module):
                 # CP: every rank needs all keys and values (all-gather variant of context
                 # parallelism)
                 key, value = all_gather(key, self.cp, dim=1), all_gather(value, self.cp, dim=1)
-                if "core_attn" in self.recompute:
+                if checkpointed:
                     # transformer/attention.py _checkpointed_attention_forward: reentrant
                     out = megatron_checkpoint(kern.core_attention, None, query, key, value,
                                               self.scale, self.attention, self._dropout)
                 else:
                     out = kern.core_attention(query, key, value, self.scale, self.attention,
                                               self._dropout)
-        if "core_attn" not in self.recompute:
-            out = offload.commit(out, "core_attn", [query, key, value])
+        out = offload.commit(out, "core_attn", [query, key, value], not checkpointed)
         with offload.group("attn_proj", out) as out:
             output = self.wo(out, "row", self.sp)  # (b, s / (cp * sp), h)
         return offload.commit(output, "attn_proj", [out])
