@@ -663,6 +663,12 @@ def _schedule(args: argparse.Namespace) -> str:
     return "interleaved-1f1b"
 
 
+# Job fields the Megatron front door sets only when the job offloads
+_OFFLOAD_FIELDS = ("optimizer_cpu_offload", "optimizer_offload_fraction", "pin_cpu_grads",
+                   "pin_cpu_params", "fine_grained_activation_offloading", "offload_modules",
+                   "min_offloaded_tensor_size")
+
+
 def _flag_fields(args: argparse.Namespace) -> dict:
     """The ``Job`` fields of tracemem's flags on ``args`` (those its command has)."""
     fields = {}
@@ -791,8 +797,17 @@ def _megatron_job(args: argparse.Namespace, **fixed):
     overrides |= following_changes(argv, kwargs, overrides)  # a new --tp moves a default ETP
     # say what replaced an argument of the job (tracemem's own settings, such as --hbm, are
     # not overrides)
+    # the offload fields the front door leaves out when the job has no offload flag: the
+    # Job's defaults are the job's values
+    from dataclasses import fields
+
+    from tracemem.job import Job
+
+    absent = {f.name: f.default for f in fields(Job) if f.name in _OFFLOAD_FIELDS}
     args.overrides = sorted(name for name, value in overrides.items()
-                            if name in kwargs and kwargs[name] != value)
+                            if (name in kwargs and kwargs[name] != value)
+                            or (name in absent and name not in kwargs
+                                and absent[name] != value))
     if fp8_argv:  # the typed FP8 flags whose value differs from the job's own
         from tracemem.frontdoors.megatron_args import parse_with_given
 

@@ -832,14 +832,15 @@ def _check_activation_offload(job: Job, par) -> tuple[frozenset[str], int] | Non
     is off.
 
     Raises:
-        TracememError: modules without the flag or the flag without modules, an unknown
+        TracememError: modules or a size other than the default without the flag, the flag
+            without modules, an unknown
             module, ``attn_proj`` without ``core_attn`` (``TransformerConfig.__post_init__``'s
             rules at Megatron-LM 4e85d74ae9), a size below 0, and what tracemem does not model
             with it: a profile other than megatron-te (Megatron: "only supported with
             transformer_engine implementation"), a schedule other than Megatron's 1F1B and
             interleaved 1F1B, full recompute, ``moe`` recompute with ``expert_fc1`` /
             ``moe_act``."""
-    from modeling.common.offload import OFFLOAD_MODULES
+    from modeling.common.offload import MIN_OFFLOADED_TENSOR_SIZE, OFFLOAD_MODULES
 
     modules = job.offload_modules
     if modules is None:
@@ -855,8 +856,11 @@ def _check_activation_offload(job: Job, par) -> tuple[frozenset[str], int] | Non
         raise TracememError(f"--fine-grained-activation-offloading {_show(on)} is invalid; "
                             f"give True or False")
     if not on:
-        if modules:
-            raise TracememError("--offload-modules needs --fine-grained-activation-offloading")
+        for flag, given in (("--offload-modules", bool(modules)),
+                            ("--min-offloaded-tensor-size",
+                             job.min_offloaded_tensor_size != MIN_OFFLOADED_TENSOR_SIZE)):
+            if given:
+                raise TracememError(f"{flag} needs --fine-grained-activation-offloading")
         return None
     if not modules:
         raise TracememError("--fine-grained-activation-offloading needs --offload-modules "

@@ -401,8 +401,9 @@ def _legend(result, units: str, keys: Sequence[str] | None = None) -> list[str]:
                      f"below the dispatcher (cuBLAS workspaces and the like, "
                      f"tracemem/workspaces.py; --wide shows them).")
     if shown("host") and any(getattr(r, "host_bytes", 0) for r in result.ranks):
-        lines.append("host: host (CPU) memory of the rank under --optimizer-cpu-offload "
-                     "(pinned included), in neither peak nor reserved.")
+        lines.append("host: host (CPU) memory of the rank under --optimizer-cpu-offload, "
+                     "--fine-grained-activation-offloading and --ema host (pinned included), "
+                     "in neither peak nor reserved.")
     job = getattr(result, "job", None)
     if (result.settings.get("recompute") == "selective" and job is not None
             and not job.config.is_mla and job.profile.orchestration == "megatron"
@@ -516,7 +517,8 @@ def _estimate_cells(r, spans, units: str) -> dict[str, str]:
             "step": r.peak_step or "-", "reserved": size(r.reserved_peak_bytes),
             "frag": size(r.fragmentation_bytes),
             "fits": "" if r.fits is None else ("yes" if r.fits else "NO"),  # reserved-based
-            # host (CPU) memory of --optimizer-cpu-offload, not in the peak (tracemem.offload)
+            # host (CPU) memory of --optimizer-cpu-offload, fine-grained activation offloading
+            # and --ema host, not in the peak (tracemem.offload, modeling.common.offload)
             "host": size(getattr(r, "host_bytes", 0))}
 
 

@@ -211,9 +211,8 @@ class ChunkHandler:
                 g.tensors[tag] = buf
         del t
         tracer = _tracer()
-        for r in forced_released:
-            if r is not None and r.numel() >= self.min_size \
-                    and getattr(r, "offloading_activation", True) is not False:
+        for r in forced_released:  # the same tensor_need_offloading_checker
+            if r is not None and self._needs_offloading(r):
                 r.untyped_storage().resize_(0)
                 if tracer is not None:
                     tracer.storage_resized(r)

@@ -182,6 +182,7 @@ def test_offloading_lowers_the_peak_and_fills_the_host(mtp):
 
 @pytest.mark.parametrize("kw, message", [
     (dict(offload_modules=("core_attn",)), "--offload-modules needs --fine-grained"),
+    (dict(min_offloaded_tensor_size=1024), "--min-offloaded-tensor-size needs --fine-grained"),
     (dict(fine_grained_activation_offloading=True), "needs --offload-modules"),
     (dict(fine_grained_activation_offloading=True, offload_modules=("attn_proj",)),
      "attn_proj cannot be set alone without core_attn"),
@@ -241,3 +242,19 @@ def test_grouped_query_attention_has_no_attn_norm_group_and_no_core_attn_one_whe
         ["qkv_linear", "attn_proj"] if recompute == "core_attn"
         else ["qkv_linear", "core_attn", "attn_proj"])
     assert estimate(job).ranks[0].host_bytes > 0
+
+
+def test_typed_offload_flags_over_a_megatron_job_without_them_are_named(tmp_path, capsys):
+    # the Megatron job offloads nothing (the front door sets no offload field): tracemem's
+    # typed flags change it, and the override note says so
+    from tracemem.cli import main
+
+    args = tmp_path / "base.args"
+    args.write_text("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+                    "--max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 8 "
+                    "--bf16 --vocab-size 128\n")
+    assert main(["estimate", "--world-size", "2", "--quiet",
+                 "--fine-grained-activation-offloading", "--offload-modules", "core_attn",
+                 "--megatron-args", f"@{args}"]) == 0
+    assert ("tracemem's flags override the Megatron-LM job's: "
+            "--fine-grained-activation-offloading, --offload-modules") in capsys.readouterr().out

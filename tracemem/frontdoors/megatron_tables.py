@@ -176,9 +176,11 @@ HONOURED: dict[str, str] = {
                                             "host memory",
     "--offload-modules": "offload_modules (attn_norm, qkv_linear, core_attn, attn_proj, "
                          "mlp_norm, expert_fc1, moe_act; d98e8a6's fused_group_mlp and "
-                         "gdp_qkv refused)",
+                         "gdp_qkv refused); no effect without "
+                         "--fine-grained-activation-offloading, as in Megatron",
     "--min-offloaded-tensor-size": "min_offloaded_tensor_size: elements; smaller saved "
-                                   "tensors stay on the device",
+                                   "tensors stay on the device; no effect without "
+                                   "--fine-grained-activation-offloading, as in Megatron",
     "--encoder-num-layers": "model num_layers when --num-layers is not given (validate_args)",
     "--group-query-attention": "model num_key_value_heads from --num-query-groups (absent: "
                                "MHA)",
