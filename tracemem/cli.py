@@ -272,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
                       metavar="ELEMENTS",
                       help="with --fine-grained-activation-offloading: smaller saved tensors "
                            "stay on the device (default %(default)s, as Megatron-LM's)")
+    step.add_argument("--cpu-offloading-num-layers", type=int, default=0, metavar="N",
+                      help="Megatron-LM's flag: Transformer Engine's CPU offloading of the "
+                           "first N decoder layers' saved tensors (PP 1, no recompute, "
+                           "--kernels megatron-te); the verdict adds the host memory "
+                           "(default %(default)s: off; docs/offload.md)")
     step.add_argument("--ranks-per-node", type=int, default=8, metavar="N",
                       help="GPUs per node, for the host memory a node needs (default "
                            "%(default)s)")
@@ -666,7 +671,7 @@ def _schedule(args: argparse.Namespace) -> str:
 # Job fields the Megatron front door sets only when the job offloads
 _OFFLOAD_FIELDS = ("optimizer_cpu_offload", "optimizer_offload_fraction", "pin_cpu_grads",
                    "pin_cpu_params", "fine_grained_activation_offloading", "offload_modules",
-                   "min_offloaded_tensor_size")
+                   "min_offloaded_tensor_size", "cpu_offloading_num_layers")
 
 
 def _flag_fields(args: argparse.Namespace) -> dict:
@@ -692,6 +697,7 @@ def _flag_fields(args: argparse.Namespace) -> dict:
             fine_grained_activation_offloading=args.fine_grained_activation_offloading,
             offload_modules=tuple(args.offload_modules or ()),
             min_offloaded_tensor_size=args.min_offloaded_tensor_size,
+            cpu_offloading_num_layers=args.cpu_offloading_num_layers,
             ranks_per_node=args.ranks_per_node, ema=args.ema,
             alloc_conf=args.alloc_conf, gpu=args.gpu,
             cublas_workspace_config=args.cublas_workspace_config,

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from modeling.common import offload
+from modeling.common import cpu_offload, offload
 from modeling.common.block import Block
 from modeling import ModelConfig
 from modeling.common.custom import CustomBlock
@@ -214,7 +214,8 @@ class Segments:
     # manager decisions differ from microbatch 1's replays its own traced variant,
     # (chunk, microbatch) -> the variant in the key's last place (0 and 1 as above)
     variants: dict[tuple[int, int], int] = field(default_factory=dict)
-    # (chunk, variant) -> the host copies its forward makes (modeling.common.offload.HostBuffer)
+    # (chunk, variant) -> the host copies its forward makes (modeling.common.offload.HostBuffer;
+    # also TE's CPU offloading's, modeling.common.cpu_offload)
     host: dict[tuple[int, int], tuple] = field(default_factory=dict)
     # (chunk, variant) -> positions in its B segment where a group start finds its own reload
     # stack empty (Megatron reloads a group of the next backward chunk there), and the
@@ -255,7 +256,8 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
               rounding: int | None, kernels: KernelProfile | str = "eager",
               zero3_prefetch: bool = True, where: Placement | None = None,
               kinds: frozenset[str] = frozenset("B"), replace=None,
-              activation_offload: ActivationOffload | None = None
+              activation_offload: ActivationOffload | None = None,
+              te_cpu_offload: int = 0
               ) -> tuple[object, MemoryTracer, Segments]:
     """The forward and backward segments of ``rank`` (``kinds``: "B" traces forwards with full
     backwards, "I" forwards with split ones), with the model and the tracer that traced them
@@ -263,7 +265,9 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
     fine-grained activation offloading (``modeling.common.offload``): each chunk's
     microbatches are traced once per distinct manager plan (``offload_plan`` over the rank's
     schedule), microbatch 0 and 1 as always, a later one whose plan differs as its own
-    variant (``Segments.variants``)."""
+    variant (``Segments.variants``). ``te_cpu_offload``: TE's CPU offloading of that many
+    decoder layers (``modeling.common.cpu_offload``; one synchronizer per traced
+    microbatch, its host copies in ``Segments.host``)."""
     model = build_rank(cfg, par, rank, attention=attention, experts=experts,
                        dtype=torch.bfloat16, kernels=kernels, placement=where, replace=replace)
     numel_by_kind(model)  # every parameter declares its group: say so before tracing
@@ -310,15 +314,19 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
             handler = None if plans is None else offload.ChunkHandler(
                 activation_offload.modules, activation_offload.min_size,
                 plan_of[mb] or offload.ChunkPlan(), groups[chunk])
+            sync = cpu_offload.Synchronizer(len(model.chunks[chunk]), te_cpu_offload) \
+                if te_cpu_offload else None
             start = len(tracer.events)
             with tracer:
                 labels = torch.zeros(b, seq, dtype=torch.long, device="meta")
                 inputs = (torch.zeros(b, seq, dtype=torch.long, device="meta") if first else
                           recv_forward((b, local, cfg.hidden_size), torch.bfloat16))
-                with offload.chunk(handler):
+                with offload.chunk(handler), cpu_offload.synchronizer(sync):
                     output = model(inputs, labels, routing, chunk)
                 if not last:
                     send_forward(output, deallocate)
+            if sync is not None:
+                segments.host[(chunk, mb)] = tuple(sync.host)
             if handler is not None:
                 if handler.names != tuple(groups[chunk]):
                     raise AssertionError(f"offload groups of chunk {chunk}: traced "
@@ -412,9 +420,9 @@ def _offload_plans(model, activation_offload: ActivationOffload | None):
 
 def activation_host_bytes(steps: list[Step], segments: Segments,
                           chunk_index: Callable[[int], int]) -> int:
-    """The pinned host memory fine-grained activation offloading holds at most over a rank's
-    schedule ``steps`` (``Segments.host``): each forward's host copies are held until its
-    backward; Megatron's (shape, dtype) pool (``GPUTensorPool``, never shrunk) keeps as many
+    """The pinned host memory fine-grained activation offloading (or TE's CPU offloading,
+    ``modeling.common.cpu_offload``: unpooled copies) holds at most over a rank's schedule
+    ``steps`` (``Segments.host``): each forward's host copies are held until its backward; Megatron's (shape, dtype) pool (``GPUTensorPool``, never shrunk) keeps as many
     buffers per key as were ever held at once, the unpooled ones (``expert_fc1``,
     ``moe_act``: pinned ``torch.empty``) stay cached in PyTorch's caching host allocator by
     rounded size; every buffer a pinned block (``tracemem.offload.pinned_block``: a power of
@@ -942,7 +950,8 @@ class TracedClass:
     segments: Segments
     steps: list[Step]
     replayed: ReplayPeak | None = None
-    # fine-grained activation offloading's pinned host buffers (activation_host_bytes)
+    # fine-grained activation offloading's and TE CPU offloading's pinned host buffers
+    # (activation_host_bytes)
     activation_host_bytes: int = 0
 
 
@@ -1021,7 +1030,7 @@ def trace_key(job: Job) -> tuple | None:
              job.distribute_saved_activations) if full else None,
             job.deallocate_pipeline_outputs, job.rounding, profile.name,
             tuple(sorted(profile.options.items())), job.zero3_prefetch,
-            job.activation_offload)
+            job.activation_offload, job.cpu_offloading_num_layers)
 
 
 def step_key(job: Job) -> tuple:
@@ -1129,6 +1138,7 @@ def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
                 deallocate=job.deallocate_pipeline_outputs, rounding=job.rounding,
                 zero3_prefetch=job.zero3_prefetch, kernels=job.profile, where=where,
                 kinds=unit.kinds, replace=job.replacements,
+                te_cpu_offload=job.cpu_offloading_num_layers,
                 activation_offload=None if not job.activation_offload else ActivationOffload(
                     *job.activation_offload, tuple(job.steps[unit.stage]),
                     lambda v, stage=unit.stage: where.chunk_index(stage, v), offload_warmup))

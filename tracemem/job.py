@@ -400,13 +400,15 @@ class Job:
         zero3_prefetch: FSDP2's backward prefetch under ZeRO-3 (on).
         optimizer: the step's Adam, "fused" or "torch" (``tracemem.optimizer_step``).
         optimizer_cpu_offload, optimizer_offload_fraction, pin_cpu_grads, pin_cpu_params:
-            Megatron's optimizer CPU offload (``--optimizer-cpu-offload`` and its flags;
-            ``tracemem.offload``). fine_grained_activation_offloading, offload_modules,
+            Megatron's optimizer CPU offload (``--optimizer-cpu-offload`` and its flags,
+            refused without it; ``tracemem.offload``). fine_grained_activation_offloading, offload_modules,
             min_offloaded_tensor_size: Megatron-Core's fine-grained activation offloading
             (``--fine-grained-activation-offloading``, ``--offload-modules``,
             ``--min-offloaded-tensor-size`` elements; ``modeling.common.offload``, the
-            decisions of an iteration after the first). ranks_per_node: GPUs per node, for
-            the host memory a node needs (8).
+            decisions of an iteration after the first). cpu_offloading_num_layers: TE's CPU
+            offloading of that many decoder layers' activations (Megatron's
+            ``--cpu-offloading-num-layers``; 0: off; ``modeling.common.cpu_offload``).
+            ranks_per_node: GPUs per node, for the host memory a node needs (8).
         hbm: device memory per GPU ("80GiB"), or None; non_pytorch_memory: memory outside
             PyTorch's allocator added to the reserved peak (``NON_PYTORCH_MEMORY_DEFAULT``);
             alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` string for the simulated allocator.
@@ -493,6 +495,7 @@ class Job:
     fine_grained_activation_offloading: bool = False
     offload_modules: tuple[str, ...] = ()
     min_offloaded_tensor_size: int = 1024 * 1024
+    cpu_offloading_num_layers: int = 0
     ranks_per_node: int = 8
     hbm: str | None = None
     non_pytorch_memory: str = NON_PYTORCH_MEMORY_DEFAULT
@@ -613,11 +616,19 @@ class Job:
         _check_op_recompute(self, par)
         _check_fp8_moe_act_cache(self)
         check_optimizer(self.optimizer, par)
+        if not self.optimizer_cpu_offload:  # its flags alone would change nothing: say so
+            for flag, given in (("--optimizer-offload-fraction",
+                                 self.optimizer_offload_fraction != 1.0),
+                                ("--no-pin-cpu-grads", self.pin_cpu_grads is False),
+                                ("--no-pin-cpu-params", self.pin_cpu_params is False)):
+                if given:
+                    raise TracememError(f"{flag} needs --optimizer-cpu-offload")
         offload = OptimizerOffload(self.optimizer_offload_fraction, self.pin_cpu_grads,
                                    self.pin_cpu_params) if self.optimizer_cpu_offload else None
         check_optimizer_offload(offload, par, self.optimizer, self.profile.name)
         put(self, "optimizer_offload", offload)
         put(self, "activation_offload", _check_activation_offload(self, par))
+        _check_te_cpu_offload(self, par)
         _positive("--ranks-per-node", self.ranks_per_node, MAX_WORLD_SIZE)
         put(self, "alloc_config", parse_alloc_conf(self.alloc_conf))
         outside = parse_bytes(self.non_pytorch_memory, "--non-pytorch-memory", zero=True)
@@ -781,6 +792,7 @@ class Job:
                 "fine_grained_activation_offloading": self.fine_grained_activation_offloading,
                 "offload_modules": list(self.offload_modules),
                 "min_offloaded_tensor_size": self.min_offloaded_tensor_size,
+                "cpu_offloading_num_layers": self.cpu_offloading_num_layers,
                 "ranks_per_node": self.ranks_per_node,
                 "replace": {kind: getattr(f, "__qualname__", repr(f))
                             for kind, f in self.replacements.items()},
@@ -902,6 +914,50 @@ def _check_activation_offload(job: Job, par) -> tuple[frozenset[str], int] | Non
                             "moe is not modelled (the groups would start again inside the "
                             "MoE recompute); drop one")
     return frozenset(modules), size
+
+
+def _check_te_cpu_offload(job: Job, par) -> None:
+    """TE's CPU offloading of ``job.cpu_offloading_num_layers`` layers (0: off).
+
+    Raises:
+        TracememError: a count that is not an int of 0 or more; Megatron-Core's refusals
+            (``TransformerConfig.__post_init__`` at Megatron-LM d98e8a6: N >= num_layers,
+            pipeline parallelism, activation recompute; fine-grained activation offloading
+            with it; TE absent: a profile other than megatron-te); what tracemem does not model
+            with it: a schedule other than 1F1B (Megatron's no-pipelining order), ZeRO-3 /
+            Megatron-FSDP (its gathered weights would pass TE's offload check here)."""
+    n = job.cpu_offloading_num_layers
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise TracememError(f"--cpu-offloading-num-layers {_show(n)} is invalid; give a number "
+                            f"of layers (0, the default, is off)")
+    if n == 0:
+        return
+    layers = job.config.num_layers
+    if n >= layers:
+        raise TracememError(f"--cpu-offloading-num-layers {n}: CPU offloading can be done only "
+                            f"for layers less than {layers} (Megatron's TransformerConfig)")
+    if par.pp > 1:
+        raise TracememError(f"--cpu-offloading-num-layers with --pp {par.pp}: currently there is no support for pipeline "
+                            f"parallelism with CPU offloading (Megatron's TransformerConfig)")
+    if job.recompute != "none":
+        raise TracememError(f"--cpu-offloading-num-layers with --recompute {job.recompute}: CPU "
+                            f"offloading does not work when activation recomputation is "
+                            f"enabled (Megatron's TransformerConfig)")
+    if job.schedule != "1f1b":
+        raise TracememError(f"--cpu-offloading-num-layers with --schedule {job.schedule} is not "
+                            f"modelled: without pipeline parallelism Megatron runs each "
+                            f"microbatch's forward then its backward "
+                            f"(forward_backward_no_pipelining); use --schedule 1f1b")
+    if job.fine_grained_activation_offloading:
+        raise TracememError("--fine-grained-activation-offloading cannot be enabled with "
+                            "--cpu-offloading-num-layers (Megatron's TransformerConfig)")
+    if job.profile.name != "megatron-te":
+        raise TracememError(f"--cpu-offloading-num-layers is Transformer Engine's CPU "
+                            f"offloading (Megatron asserts TE is present): use --kernels "
+                            f"megatron-te, not --kernels {job.profile.name}")
+    if par.zero == 3:
+        raise TracememError("--cpu-offloading-num-layers with ZeRO-3 / Megatron-FSDP is not "
+                            "modelled (the gathered weights' offload check); use ZeRO 0-2")
 
 
 def _check_op_recompute(job, par) -> None:

@@ -200,7 +200,8 @@ def get_host_memory(result) -> dict[str, Any]:
     the optimizer offloaded by ``--optimizer-cpu-offload``, ``tracemem.offload``), as plain
     data: ``per_rank_bytes`` / ``pinned_per_rank_bytes`` (the most of any rank) and
     ``per_node_bytes`` / ``pinned_per_node_bytes`` (the most of any node of
-    ``ranks_per_node`` consecutive global ranks, ``tracemem.offload.host_per_node``)."""
+    ``ranks_per_node`` consecutive global ranks, ``tracemem.offload.host_per_node``), and
+    ``offload_flags``: the offload flags the job gives (a line says when they move nothing)."""
     from tracemem.offload import host_per_node
 
     par = result.parallel
@@ -215,9 +216,15 @@ def get_host_memory(result) -> dict[str, Any]:
 
     rank, node = most("host_bytes")
     pinned_rank, pinned_node = most("host_pinned_bytes")
-    return {"ranks_per_node": per_node, "per_rank_bytes": rank,
+    settings = result.settings or {}
+    flags = [flag for flag, on in (
+        ("--optimizer-cpu-offload", settings.get("optimizer_cpu_offload")),
+        ("--fine-grained-activation-offloading",
+         settings.get("fine_grained_activation_offloading")),
+        ("--cpu-offloading-num-layers", settings.get("cpu_offloading_num_layers"))) if on]
+    return {"ranks_per_node": per_node, "world_size": par.world_size, "per_rank_bytes": rank,
             "pinned_per_rank_bytes": pinned_rank, "per_node_bytes": node,
-            "pinned_per_node_bytes": pinned_node}
+            "pinned_per_node_bytes": pinned_node, "offload_flags": flags}
 
 
 def _hbm_label(hbm: int, units: str, given: str | None) -> str:
@@ -274,14 +281,21 @@ def format_host_memory(verdict: dict[str, Any], units: str = "GiB") -> str | Non
     (4.00 GiB pinned), 76.00 GiB per node of 8 ranks (32.00 GiB pinned)." """
     host = verdict.get("host") or {}
     if not host.get("per_rank_bytes"):
+        if host.get("offload_flags"):  # asked to offload, and nothing went: say so
+            return (f"Host memory: none; {', '.join(host['offload_flags'])} moves nothing of "
+                    f"this job to the host (no saved tensor reaches the offload's minimum "
+                    f"size, or no module it names runs here; docs/offload.md).")
         return None
     units = pick_units(host["per_rank_bytes"]) if units == "auto" else units
     size = lambda n: _size_label(n, units)  # noqa: E731
     n = host["ranks_per_node"]
+    world = host.get("world_size", n)
+    node = f"per node of {n} rank{'s' * (n != 1)}" if world >= n else \
+        f"on its one node ({world} rank{'s' * (world != 1)} of a node of {n})"
     return (f"Host memory (optimizer and activation offload, EMA): "
             f"{size(host['per_rank_bytes'])} per rank at most "
             f"({size(host['pinned_per_rank_bytes'])} pinned), "
-            f"{size(host['per_node_bytes'])} per node of {n} rank{'s' * (n != 1)} "
+            f"{size(host['per_node_bytes'])} {node} "
             f"({size(host['pinned_per_node_bytes'])} pinned).")
 
 

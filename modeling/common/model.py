@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from modeling.common import cpu_offload
 from modeling.common.block import Block
 from modeling.common.config import ModelConfig
 from modeling.common.custom import (
@@ -290,7 +291,11 @@ class Transformer(nn.Module):
         last = chunk == len(self.chunks) - 1 and self.post_process
         h = self._embed(inputs, self._positions(inputs)) if first else inputs
         for i in self.chunks[chunk]:
-            h = self.layers[str(i)](h, routing)
+            # TE's CPU offloading (modeling.common.cpu_offload): TransformerBlock.forward's
+            # ``with self.offload_context`` and synchronization function (identities when off)
+            with cpu_offload.layer():
+                h = self.layers[str(i)](h, routing)
+            h = cpu_offload.synchronize(h)
         if not last:
             return h
         if len(self.mtp) and self.kernels.orchestration == "megatron":

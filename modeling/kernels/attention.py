@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from modeling.common import cpu_offload
 from modeling.kernels.dropout import torch_dropout
 from tracemem.errors import TracememError
 
@@ -88,6 +89,7 @@ def te_fused_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     attentions here (RoPE makes q and k fresh tensors), so any strided input means a copy."""
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         q, k, v = (t.contiguous() for t in (q, k, v))
+    cpu_offload.mark_base(q, k, v)  # FusedAttnFunc.forward under TE's CPU offloading
     out = _TEFusedAttention.apply(q, k, v)
     return out.view(*out.shape[:2], -1)
 
@@ -237,6 +239,7 @@ def te_flash_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     caller = (q, k, v)  # DotProductAttention.forward's locals: alive to its return
     if b > 1:  # FlashAttention.forward: sbhd -> bshd, three copies
         q, k, v = (t.clone() for t in (q, k, v))
+    cpu_offload.mark_base(q, k, v)  # FlashAttention.forward under TE's CPU offloading
     out = _FlashAttnFunc.apply(q, k, v).view(b, s, -1)  # (b, s, n * d), saved
     if b > 1:  # bshd -> sbhd, contiguous: a copy
         out = out.clone()

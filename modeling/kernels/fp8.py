@@ -297,7 +297,7 @@ _BULK_DATA_ALIGN, _BULK_SCALE_ALIGN = 256, 16  # cast.cpp bulk_allocate_*_tensor
 
 
 def split_quantize(x: Tensor, counts: list[int], recipe: str, arch: str, rowwise: bool,
-                   columnwise: bool, role: str = "input") -> list[Quantized]:
+                   columnwise: bool, role: str = "input", bulk: bool = True) -> list[Quantized]:
     """TE's ``_split_quantize`` (``module/_split_quantization.py`` -> ``tex.split_quantize``,
     ``csrc/extensions/cast.cpp``) of ``x`` ``(rows, in)`` into one quantised tensor per
     expert of ``counts`` rows. Per-tensor FP8 allocates each expert's tensor on its own
@@ -305,16 +305,18 @@ def split_quantize(x: Tensor, counts: list[int], recipe: str, arch: str, rowwise
     usage (``bulk_allocate_mxfp8_tensors`` / ``bulk_allocate_fp8_blockwise_tensors``: every
     expert's data at 256-byte offsets, then every expert's scales at 16-byte offsets, plus
     256 bytes of alignment pad: ``allocate.cpp`` ``bulk_allocate``), whose views the experts'
-    tensors are: a usage's buffer is freed when every expert has dropped it."""
+    tensors are: a usage's buffer is freed when every expert has dropped it. ``bulk`` False
+    (``disable_bulk_allocation``, which ``_GroupedLinear`` passes under TE's CPU offloading):
+    each expert's tensors allocated on their own, as per-tensor FP8's."""
     h = x.shape[-1]
     shapes = [(m, h) for m in counts]
-    if per_tensor(recipe):
-        return [make_empty(recipe, s, rowwise, columnwise, arch, x.device, role)
-                for s in shapes]
     if recipe == "mxfp8" and (h % MXFP8_BLOCK or any(m % MXFP8_BLOCK for m in counts)):
         raise TracememError(f"--fp8-recipe mxfp8 needs each expert's rows and the hidden size "
                             f"to be multiples of 32 (TE MXFP8Quantizer); got rows {counts}, "
                             f"hidden {h}")
+    if per_tensor(recipe) or not bulk:
+        return [make_empty(recipe, s, rowwise, columnwise, arch, x.device, role)
+                for s in shapes]
     parts: list[dict[str, Tensor]] = [{} for _ in shapes]
     for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
         if not wanted:

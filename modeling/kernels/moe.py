@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from modeling.common import cpu_offload
 from modeling.kernels import fp8
 from modeling.kernels.wgrad import current_store
 
@@ -110,22 +111,30 @@ def te_unpermute(x: Tensor, row_id_map: Tensor, tokens: int) -> Tensor:
 
 
 class _GroupedLinear(torch.autograd.Function):
+    """``_GroupedLinear`` in bf16: the input split per expert (``_split_quantize`` without a
+    quantiser: ``torch.split``, views of the input's storage), the views saved; one ``(rows,
+    out)`` output."""
+
     @staticmethod
-    def forward(ctx, x: Tensor, out_features: int, fuse_wgrad: bool, *weights: Tensor):
-        ctx.save_for_backward(x, *weights)
+    def forward(ctx, x: Tensor, out_features: int, fuse_wgrad: bool, counts: tuple[int, ...],
+                *weights: Tensor):
+        parts = x.split(list(counts))
+        ctx.num_parts, ctx.in_shape = len(parts), tuple(x.shape)
+        ctx.save_for_backward(*parts, *weights)
         ctx.fuse_wgrad = fuse_wgrad
         return x.new_empty((x.shape[0], out_features))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, *weights = ctx.saved_tensors
-        dgrad = torch.empty_like(x)
+        tensors = ctx.saved_tensors
+        parts, weights = tensors[:ctx.num_parts], tensors[ctx.num_parts:]
+        dgrad = parts[0].new_empty(ctx.in_shape)
         store = current_store()
         if store is not None:  # delay_wgrad_compute: keep the inputs and the output gradient
-            store.append(((x, grad), weights, ctx.fuse_wgrad))
-            return (dgrad, None, None, *[None] * len(weights))
+            store.append(((*parts, grad), weights, ctx.fuse_wgrad))
+            return (dgrad, None, None, None, *[None] * len(weights))
         wgrads = [None if ctx.fuse_wgrad else torch.empty_like(w) for w in weights]
-        return (dgrad, None, None, *wgrads)
+        return (dgrad, None, None, None, *wgrads)
 
 
 class _Fp8GroupedLinear(torch.autograd.Function):
@@ -147,7 +156,11 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         ctx.fuse_wgrad, ctx.recipe, ctx.arch, ctx.counts = fuse_wgrad, recipe, arch, counts
         ctx.save_original = save_original
         ctx.in_shape = tuple(x.shape)
-        inputs = fp8.split_quantize(x, list(counts), recipe, arch, True, not save_original)
+        # TE's CPU offloading (modeling.common.cpu_offload): no bulk allocation (forward and
+        # the backward's re-quantisation: disable_bulk_allocation=cpu_offloading)
+        ctx.bulk = not cpu_offload.enabled()
+        inputs = fp8.split_quantize(x, list(counts), recipe, arch, True, not save_original,
+                                    bulk=ctx.bulk)
         out = x.new_empty((x.shape[0], out_features))
         if save_original:
             del inputs
@@ -175,7 +188,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         dgrad = grad.new_empty(ctx.in_shape)
         if ctx.save_original:
             per = fp8.per_tensor(recipe)
-            inputs = fp8.split_quantize(x, counts, recipe, arch, per, True)
+            inputs = fp8.split_quantize(x, counts, recipe, arch, per, True, bulk=ctx.bulk)
             del x
         else:
             inputs = tensors[:ctx.num_saved]
@@ -222,12 +235,14 @@ def te_grouped_linear(x: Tensor, weights: list[Tensor], out_features: int,
     ``modeling.kernels.fp8``) each expert's ``counts`` rows are quantised apart
     (``_Fp8GroupedLinear``); ``counts`` None: the rows split evenly over the leading
     dimension of ``weights[0]`` (the local experts), the remainder on the first."""
-    if fp8_recipe == "none":
-        return _GroupedLinear.apply(x, out_features, fuse_wgrad, *weights)
     if counts is None:
         n = weights[0].shape[0] if weights[0].dim() == 3 else len(weights)
         counts = [x.shape[0] // n] * n
         counts[0] += x.shape[0] - sum(counts)
+    if fp8_recipe == "none":  # save_original_input: TE saves the whole input
+        return _GroupedLinear.apply(x, out_features, fuse_wgrad,
+                                    (x.shape[0],) if save_original_input else tuple(counts),
+                                    *weights)
     return _Fp8GroupedLinear.apply(x, out_features, fuse_wgrad, fp8_recipe, fp8_arch,
                                    tuple(counts), save_original_input, *weights)
 

@@ -153,6 +153,17 @@ def test_offload_refuses_what_megatron_or_tracemem_cannot_run(kw, match):
         _job(optimizer_cpu_offload=True, **kw)
 
 
+@pytest.mark.parametrize("kw, flag", [
+    (dict(optimizer_offload_fraction=0.5), "--optimizer-offload-fraction"),
+    (dict(pin_cpu_grads=False), "--no-pin-cpu-grads"),
+    (dict(pin_cpu_params=False), "--no-pin-cpu-params"),
+])
+def test_an_offload_flag_without_the_offload_is_refused(kw, flag):
+    # alone it would change nothing (Megatron reads them only with --optimizer-cpu-offload)
+    with pytest.raises(TracememError, match=f"^{flag} needs --optimizer-cpu-offload$"):
+        _job(**kw)
+
+
 def test_the_megatron_front_door_honours_the_offload_flags():
     from tracemem.frontdoors import megatron_job
     from tracemem.frontdoors.megatron import to_megatron_args
@@ -209,14 +220,16 @@ def test_the_json_and_the_verdict_say_the_host_memory():
                       trace_cache=CACHE)
     data = get_estimate(result)
     # world 1: the one rank is the one node (of up to 8 ranks)
-    assert data["host"] == {"ranks_per_node": 8, "per_rank_bytes": 1_900_580,
+    assert data["host"] == {"ranks_per_node": 8, "world_size": 1, "per_rank_bytes": 1_900_580,
                             "pinned_per_rank_bytes": 983_040, "per_node_bytes": 1_900_580,
-                            "pinned_per_node_bytes": 983_040}
+                            "pinned_per_node_bytes": 983_040,
+                            "offload_flags": ["--optimizer-cpu-offload"]}
     assert data["ranks"][0]["host_bytes"] == 1_900_580
     line = format_host_memory(data["verdict"], "B")
     assert line == ("Host memory (optimizer and activation offload, EMA): 1,900,580 B per rank "
                     "at most "
-                    "(983,040 B pinned), 1,900,580 B per node of 8 ranks (983,040 B pinned).")
+                    "(983,040 B pinned), 1,900,580 B on its one node (1 rank of a node of 8) "
+                    "(983,040 B pinned).")
     assert line in format_estimate(result, units="B")
     assert format_host_memory(get_estimate(estimate(_job(), trace_cache=CACHE))["verdict"]) \
         is None  # nothing on the host: no line

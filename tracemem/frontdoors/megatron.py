@@ -592,6 +592,23 @@ def _activation_offload(ns) -> dict[str, Any]:
             "min_offloaded_tensor_size": int(ns.min_offloaded_tensor_size)}
 
 
+def _te_cpu_offload(ns, env: Mapping[str, str]) -> dict[str, Any]:
+    """The Job's TE CPU offloading field (``modeling.common.cpu_offload``) from
+    ``--cpu-offloading-num-layers`` (which sets ``cpu_offloading``, validate_args); none
+    without it.
+
+    Raises:
+        TracememError: with ``NVTE_CPU_OFFLOAD_V1=1`` (TE's v1 path, not modelled)."""
+    n = ns.cpu_offloading_num_layers
+    if not n or n <= 0:
+        return {}
+    _missing(str(env.get("NVTE_CPU_OFFLOAD_V1", "0")).strip() != "1",
+             "--cpu-offloading-num-layers with NVTE_CPU_OFFLOAD_V1=1 (TE's v1 CPU offload "
+             "path, transformer_engine/pytorch/cpu_offload_v1.py; the default path is "
+             "modelled)")
+    return {"cpu_offloading_num_layers": int(n)}
+
+
 def _zero(ns) -> int:
     if ns.use_megatron_fsdp:
         strategy = ns.data_parallel_sharding_strategy
@@ -821,7 +838,7 @@ def megatron_job_kwargs(argv, *, env: Mapping[str, str] | None = None,
         "experts": ("grouped" if ns.moe_grouped_gemm else "sequential") if experts else "auto",
         "kernels": "megatron-te", "kernel_options": kernel_options,
         "routing": "balanced", "optimizer": "fused", **_optimizer_offload(ns),
-        **_activation_offload(ns),
+        **_activation_offload(ns), **_te_cpu_offload(ns, env),
         "deallocate_pipeline_outputs": True,  # core_transformer_config_from_args sets it
         "alloc_conf": env.get("PYTORCH_CUDA_ALLOC_CONF"),
         "cublas_workspace_config": env.get("CUBLAS_WORKSPACE_CONFIG"),
@@ -884,17 +901,18 @@ def megatron_job(argv, *, env=None, world_size=None, vocab_size=None, **fields):
         raise in_megatron_terms(error, set(fields)) from None
 
 
-# tracemem's layout flags and the Megatron-LM argument each stands for (_GROUP_FLAGS)
+# tracemem's layout flags (and --recompute) and the Megatron-LM argument each stands for
 _MEGATRON_NAMES = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
                    "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
                    "etp": "--expert-tensor-parallel-size", "sp": "--sequence-parallel",
-                   "vpp": "--num-virtual-stages-per-pipeline-rank"}
+                   "vpp": "--num-virtual-stages-per-pipeline-rank",
+                   "recompute": "--recompute-granularity"}
 
 
 def in_megatron_terms(error: TracememError, typed=frozenset()) -> TracememError:
     """``error`` (a ``Job``'s refusal of a job built from Megatron-LM arguments) with each of
     tracemem's layout flags (``--tp``, ``--pp``, ``--cp``, ``--ep``, ``--etp``, ``--sp``,
-    ``--vpp``) that it names written as the Megatron-LM argument the user gave
+    ``--vpp``) and ``--recompute`` that it names written as the Megatron-LM argument the user gave
     (``--tensor-model-parallel-size`` ...), so the message points at the user's own words;
     a field in ``typed`` (set by tracemem's flag over the job) keeps tracemem's name.
     Returns a new error of the same type, or ``error`` itself when nothing changes."""
@@ -995,7 +1013,7 @@ _GROUP_FLAGS: dict[str, tuple[str, ...]] = {
     "optimizer_offload": ("--optimizer-cpu-offload", "--optimizer-offload-fraction",
                           "--no-pin-cpu-grads", "--no-pin-cpu-params"),
     "activation_offload": ("--fine-grained-activation-offloading", "--offload-modules",
-                           "--min-offloaded-tensor-size"),
+                           "--min-offloaded-tensor-size", "--cpu-offloading-num-layers"),
     "precision": ("--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32",
                   "--no-gradient-accumulation-fusion", "--use-precision-aware-optimizer",
                   "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
@@ -1333,7 +1351,9 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
         else ["--fine-grained-activation-offloading", "--offload-modules",
               *f.get("offload_modules", ())]
         + ([] if f.get("min_offloaded_tensor_size", 1024 * 1024) == 1024 * 1024 else [
-            "--min-offloaded-tensor-size", str(f["min_offloaded_tensor_size"])]),
+            "--min-offloaded-tensor-size", str(f["min_offloaded_tensor_size"])])
+        + ([] if not f.get("cpu_offloading_num_layers") else [
+            "--cpu-offloading-num-layers", str(f["cpu_offloading_num_layers"])]),
     }
     out: dict[str, list[str] | _Unstated] = {}
     for name in _GROUP_FLAGS:

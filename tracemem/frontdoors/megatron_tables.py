@@ -77,6 +77,15 @@ HONOURED: dict[str, str] = {
                                    "unfused vocab_parallel_cross_entropy",
     "--cross-entropy-fusion-impl": "kernel_options cross_entropy_fusion 'native'; 'te' is "
                                    "refused by Megatron's validate_args",
+    "--cpu-offloading-num-layers": "cpu_offloading_num_layers: Transformer Engine's CPU "
+                                   "offloading of the first N decoder layers "
+                                   "(transformer_engine/pytorch/cpu_offload.py "
+                                   "DefaultOffloadSynchronizer; modeling.common.cpu_offload): "
+                                   "their saved tensors of >= 256 Ki elements to pinned host "
+                                   "copies, released on the device before layer L-N+j's "
+                                   "forward, reloaded before layer L-1-N+j's backward; the "
+                                   "host copies in host memory; with NVTE_CPU_OFFLOAD_V1=1 "
+                                   "refused",
     "--num-layers": "model num_layers",
     "--mtp-num-layers": "model num_mtp_modules",
     "--account-for-embedding-in-pipeline-split": "account_for_embedding_in_pipeline_split",
@@ -373,8 +382,10 @@ NEUTRAL: dict[str, str] = {
     "--use-ring-exchange-p2p": "the pipeline's send / recv implementation: the same receive "
                                "buffers",
     "--wgrad-deferral-limit": _only("--defer-embedding-wgrad-compute"),
-    "--cpu-offloading-retain-pinned-cpu-buffers": _only("--cpu-offloading-num-layers") +
-                                                  "; host memory",
+    "--cpu-offloading-retain-pinned-cpu-buffers": "TE keeps the host copies for the next "
+                                                  "iteration instead of freeing them to "
+                                                  "the caching host allocator: the same "
+                                                  "host bytes at the peak, no device bytes",
     "--mtp-loss-scaling-factor": "the MTP loss's weight (a scalar)",
     "--mtp-hybrid-override-pattern": "hybrid models only; Megatron ignores it for GPT models "
                                      "(validate_args warns)",
@@ -1031,12 +1042,6 @@ REFUSED: dict[str, str] = {
                                                           "whose microbatch group is not PP "
                                                           "(PP, the default, is accepted)",
     "--mtp-standalone": _NMY + "a standalone MTP pipeline stage",
-    "--cpu-offloading-num-layers": _NMY + "activation offloading to the host: TE's CPU "
-                                   "offloading of N layers' activations "
-                                   "(transformer_engine/pytorch/cpu_offload.py "
-                                   "get_cpu_offload_context: each layer's saved tensors copied "
-                                   "to the host after its forward and back before its "
-                                   "backward, on a side stream; docs/offload.md)",
     "--mtp-use-repeated-layer": _NMY + "one MTP layer repeated (its parameters shared across "
                                 "depths)",
     "--mtp-detach-heads": _NMY + "MTP heads detached from the main graph",
@@ -1247,7 +1252,8 @@ ENV_NEUTRAL: dict[str, str] = {
     "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE": "checkpoint loading",
     "NVTE_CPU_OFFLOAD_V1": "TE's CPU offload code path (1: the v1 path Megatron's "
                            "fine-grained activation offloading needs with TE >= 2.10, "
-                           "validate_args; its hooks are Megatron's, modelled with the flag)",
+                           "validate_args; its hooks are Megatron's, modelled with the flag); "
+                           "with --cpu-offloading-num-layers the v1 path is refused",
     "NVTE_FLASH_ATTN_V2": "which FlashAttention generation (the same saved tensors)",
     "NVTE_FLASH_ATTN_V3": "which FlashAttention generation (the same saved tensors)",
     "NVTE_FLASH_ATTN_V4": "which FlashAttention generation (the same saved tensors)",

@@ -415,9 +415,33 @@ def _tiny(*extra, moe=False):
 
 
 def test_a_refused_flag_is_refused_by_name_with_what_is_missing():
-    with pytest.raises(TracememError, match=r"--cpu-offloading-num-layers 2: not modelled "
-                                            r"yet: activation offloading to the host"):
-        megatron_job_kwargs(_tiny("--cpu-offloading-num-layers", "2"), world_size=1)
+    with pytest.raises(TracememError, match=r"--softmax-type off-by-one: not modelled "
+                                            r"yet: off-by-one and learnable softmax"):
+        megatron_job_kwargs(_tiny("--softmax-type", "off-by-one"), world_size=1)
+
+
+def test_te_cpu_offloading_is_honoured_and_its_v1_path_refused():
+    kwargs = megatron_job_kwargs(_tiny("--cpu-offloading-num-layers", "2",
+                                       "--cpu-offloading-retain-pinned-cpu-buffers"),
+                                 world_size=1)
+    assert kwargs["cpu_offloading_num_layers"] == 2
+    assert "cpu_offloading_num_layers" not in megatron_job_kwargs(_tiny(), world_size=1)
+    with pytest.raises(TracememError, match=r"not modelled yet: --cpu-offloading-num-layers "
+                                            r"with NVTE_CPU_OFFLOAD_V1=1"):
+        megatron_job_kwargs(_tiny("--cpu-offloading-num-layers", "2"), world_size=1,
+                            env={"NVTE_CPU_OFFLOAD_V1": "1"})
+    # Megatron's TransformerConfig refusals, from the Job
+    with pytest.raises(TracememError, match=r"with --pipeline-model-parallel-size 2: "
+                                            r"currently there is no support for pipeline"):
+        megatron_job(_tiny("--cpu-offloading-num-layers", "2",
+                           "--pipeline-model-parallel-size", "2"), world_size=2)
+    with pytest.raises(TracememError, match=r"only for layers less than 4"):
+        megatron_job(_tiny("--cpu-offloading-num-layers", "4"), world_size=1)
+    with pytest.raises(TracememError, match=r"with --recompute-granularity full: CPU "
+                                            r"offloading does not work"):
+        megatron_job(_tiny("--cpu-offloading-num-layers", "2", "--recompute-granularity",
+                           "full", "--recompute-method", "uniform", "--recompute-num-layers",
+                           "1"), world_size=1)
 
 
 def test_every_refused_flag_of_a_job_is_named_in_one_line():
@@ -433,8 +457,7 @@ def test_every_refused_flag_of_a_job_is_named_in_one_line():
 
 
 def test_a_refused_flag_given_at_megatrons_default_is_accepted():
-    kwargs = megatron_job_kwargs(_tiny("--cpu-offloading-num-layers", "0", "--softmax-type",
-                                       "vanilla"), world_size=1)
+    kwargs = megatron_job_kwargs(_tiny("--softmax-type", "vanilla"), world_size=1)
     assert kwargs["world_size"] == 1
 
 
@@ -829,7 +852,8 @@ def test_every_argument_of_the_pinned_arguments_py_is_in_exactly_one_table():
     # neutral; fine-grained activation offloading (--fine-grained-activation-offloading refused,
     # --offload-modules, --min-offloaded-tensor-size neutral) honoured, d98e8a6's four knobs
     # of it neutral -> refused
-    assert (len(HONOURED), len(NEUTRAL), len(REFUSED)) == (132, 574, 134)
+    # --cpu-offloading-num-layers refused -> honoured (TE CPU offloading)
+    assert (len(HONOURED), len(NEUTRAL), len(REFUSED)) == (133, 574, 133)
 
 
 def test_the_tables_keep_megatrons_order():
