@@ -238,6 +238,9 @@ class ReplayPeak:
     by_category: dict[str, int]
     by_module: dict[str, int]
     largest: list[dict] = field(default_factory=list)  # the 8 largest storages alive
+    # each of them's (virtual stage, microbatch): to rename them for a class that shares
+    # this replay (replay_class's memo)
+    largest_keys: list[tuple[int, int] | None] = field(default_factory=list, repr=False)
 
 
 def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, optimizer: str = "fused",
@@ -622,6 +625,71 @@ def segment_key(step: Step, pp: int, chunk_index: Callable[[int], int] | None = 
     return (chunk, kind, min(step.microbatch, 1))
 
 
+def _replayed_key(step: Step, pp: int, chunk_index, split: set, variants: dict
+                  ) -> tuple[int, str, int]:
+    """The ``Segments.events`` key ``replay_events`` plays for ``step``: ``segment_key``
+    (``split``: the (stage, microbatch) pairs with an I step) with the offload variant of
+    the microbatch where it has one (``Segments.variants``)."""
+    key = segment_key(step, pp, chunk_index, (step.stage, step.microbatch) in split)
+    if variants:
+        variant = variants.get((key[0], step.microbatch))
+        if variant is not None:
+            key = (key[0], key[1], variant)
+    return key
+
+
+def replay_signature(steps: list[Step], pp: int, segments: Segments,
+                     chunk_index: Callable[[int], int] | None = None,
+                     contents: dict | None = None) -> tuple | None:
+    """What ``replay_events``' stream depends on, up to the names of its storage keys
+    ((stage, microbatch, storage id): identifiers only): per step, its microbatch renumbered
+    in order of first appearance, the step's place among that microbatch's steps, and the
+    content of all that microbatch's traced events (action, bytes, category, module, op,
+    storage ids renumbered in order of first appearance), as a number from ``contents`` (a
+    dict shared by the ranks compared). Two ranks with the same signature replay the same
+    allocs and frees, of the same sizes and categories, in the same order (DualPipe's rank s
+    and rank PP - 1 - s: the same two model chunks, the mirror schedule, the first
+    microbatch of one direction traced as microbatch 0 and of the other as a later one, their
+    events the same). None under fine-grained activation offloading (its early reloads play
+    another microbatch's events inside a step)."""
+    if segments.offload_marks:
+        return None
+    contents = {} if contents is None else contents
+    split = {(s.stage, s.microbatch) for s in steps if s.kind == "I"}
+    keys = [_replayed_key(s, pp, chunk_index, split, segments.variants) for s in steps]
+    # the optimizer step's events share microbatch 0's names only if they touch its
+    # storages; else it is its own (on a rank whose first chunk never runs microbatch 0,
+    # DualPipe's second half, it is alone either way)
+    own = {e.storage_id for key in set(keys) if key[1] != "O" for e in segments.events[key]}
+    alone = all(e.storage_id not in own for key in set(keys) if key[1] == "O"
+                for e in segments.events[key])
+
+    def name(step: Step) -> tuple:
+        return ("O",) if alone and step.kind == "O" else (step.stage, step.microbatch)
+
+    played: dict[tuple, list] = {}
+    for step, key in zip(steps, keys):
+        played.setdefault(name(step), []).append(key)
+    content_of: dict[tuple, int] = {}
+    for run in {tuple(run) for run in played.values()}:
+        ids: dict[int, int] = {}
+        fingerprint = (segments.transient_grads,) + tuple(
+            (key[1], tuple((e.action, e.nbytes, e.category, e.module, e.op,
+                            ids.setdefault(e.storage_id, len(ids)))
+                           for e in segments.events[key])) for key in run)
+        content_of[run] = contents.setdefault(fingerprint, len(contents))
+    numbers: dict[tuple, int] = {}
+    place: dict[tuple, int] = {}
+    out = []
+    for step in steps:
+        mb = name(step)
+        at = place.get(mb, 0)
+        place[mb] = at + 1
+        out.append((numbers.setdefault(mb, len(numbers)), at,
+                    content_of[tuple(played[mb])]))
+    return tuple(out)
+
+
 def replay_events(steps: list[Step], pp: int, segments: Segments,
                   chunk_index: Callable[[int], int] | None = None, *,
                   periodic: bool = False, sink: ReplaySink | None = None
@@ -666,12 +734,7 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
                     later = i
 
     def key_of(step: Step) -> tuple[int, str, int]:
-        key_of_step = segment_key(step, pp, chunk_index, (step.stage, step.microbatch) in split)
-        if variants:
-            variant = variants.get((key_of_step[0], step.microbatch))
-            if variant is not None:
-                key_of_step = (key_of_step[0], key_of_step[1], variant)
-        return key_of_step
+        return _replayed_key(step, pp, chunk_index, split, variants)
 
     def play(index: int, stage: int, microbatch: int, events) -> Iterator[ReplayedEvent]:
         for event in events:
@@ -851,7 +914,11 @@ def replay_schedule(steps: list[Step], pp: int, segments: Segments,
                 "category": event.category.value, "module": event.module,
                 "microbatch": key[1]}
                for key, event in sorted(peak_live.items(), key=lambda kv: -kv[1].nbytes)[:8]]
-    return ReplayPeak(peak, peak_at, inflight_at_peak, by_category, by_module, largest)
+    step_events = {id(e) for key, events in segments.events.items() if key[1] == "O"
+                   for e in events}  # the optimizer step's: no microbatch's, never renamed
+    keys = [None if id(event) in step_events else key[:2]
+            for key, event in sorted(peak_live.items(), key=lambda kv: -kv[1].nbytes)[:8]]
+    return ReplayPeak(peak, peak_at, inflight_at_peak, by_category, by_module, largest, keys)
 
 
 _PHASES = {"F": "forward", "B": "backward", "I": "backward", "W": "backward", "O": "optimizer"}
@@ -1151,13 +1218,36 @@ def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
     return out
 
 
-def replay_class(job: Job, traced: TracedClass) -> ReplayPeak:
+def replay_class(job: Job, traced: TracedClass, memo: dict | None = None) -> ReplayPeak:
     """The class's schedule replayed over its segments on top of its static memory
-    (``replay_schedule``; ZeRO-3 gathers are traced events, not the static line item)."""
+    (``replay_schedule``; ZeRO-3 gathers are traced events, not the static line item).
+    ``memo`` (a dict shared by the classes of one job): a class with another's floor and
+    ``replay_signature`` takes that one's replay, its largest storages' microbatches renamed
+    to its own (the same stream, so the same peak, step index, in-flight count and bytes
+    alive)."""
     stage, where = traced.unit.stage, _placement(job)
-    traced.replayed = replay_schedule(
-        traced.steps, job.parallel.pp, traced.segments, floor_bytes(traced.static),
-        lambda v: where.chunk_index(stage, v))
+    chunk_index = lambda v: where.chunk_index(stage, v)  # noqa: E731
+    floor = floor_bytes(traced.static)
+    signature = None
+    if memo is not None:
+        stream = replay_signature(traced.steps, job.parallel.pp, traced.segments, chunk_index,
+                                  memo.setdefault("contents", {}))
+        signature = None if stream is None else (floor, stream)
+    found = memo.get(signature) if signature is not None else None
+    if found is not None:
+        peak, steps = found
+        rename: dict[tuple[int, int], int] = {}
+        for a, b in zip(steps, traced.steps):
+            if a.kind != "O":  # the optimizer step's microbatch is no microbatch's
+                rename.setdefault((a.stage, a.microbatch), b.microbatch)
+        traced.replayed = replace(peak, largest=[
+            {**entry, "microbatch": entry["microbatch"] if key is None else rename[key]}
+            for entry, key in zip(peak.largest, peak.largest_keys)])
+    else:
+        traced.replayed = replay_schedule(traced.steps, job.parallel.pp, traced.segments,
+                                          floor, chunk_index)
+        if signature is not None:
+            memo[signature] = (traced.replayed, traced.steps)
     traced.activation_host_bytes = activation_host_bytes(
         traced.steps, traced.segments, lambda v: where.chunk_index(stage, v))
     return traced.replayed
@@ -1211,14 +1301,39 @@ def screened_row(job: Job, traced: TracedClass) -> RankEstimate:
 
 
 def allocator_row(job: Job, traced: TracedClass, snapshot_dir: Path | None = None,
-                  series: bool = False) -> RankEstimate:
+                  series: bool = False, memo: dict | None = None) -> RankEstimate:
     """A row with the replay through the simulated CUDA caching allocator
     (``tracemem.memory``): allocated and reserved peaks, fragmentation, the verdict; with
-    ``snapshot_dir`` a snapshot pickle per class, with ``series`` the timeline for a plot."""
+    ``snapshot_dir`` a snapshot pickle per class, with ``series`` the timeline for a plot.
+
+    ``memo`` (a dict shared by the rows of one job; not with a snapshot): a rank class whose
+    allocator input is another's (the same traced segments and static memory, the same
+    ``replay_signature``) takes that one's simulation, its step labels renamed to its own
+    steps' (the stream is the same, so is every allocator figure)."""
     unit, static, replayed = traced.unit, traced.static, traced.replayed
     stage, where = unit.stage, _placement(job)
     hbm = job.hbm_bytes
     label = f"stage{stage}" + ("" if unit.ep_rank is None else f"_ep{unit.ep_rank}")
+    statics = [("parameter", static.param_bytes), ("gradient", static.held_grad_bytes),
+               ("optimizer_state", static.optimizer_bytes), ("buffer", static.buffer_bytes)] \
+        + [("workspace", w.nbytes) for w in static.workspaces]
+    shown = label.replace("stage", "stage ").replace("_ep", ", EP rank ")
+    signature = None
+    if memo is not None and snapshot_dir is None:
+        stream = replay_signature(traced.steps, job.parallel.pp, traced.segments,
+                                  lambda v: where.chunk_index(stage, v),
+                                  memo.setdefault("contents", {}))
+        signature = None if stream is None else (tuple(statics), series, stream)
+        found = memo.get(signature) if signature is not None else None
+        if found is not None:
+            timeline, steps = found
+            rename: dict[str, str] = {}
+            if all(rename.setdefault(str(a), str(b)) == str(b)
+                   for a, b in zip(steps, traced.steps)):  # labels map one to one
+                timeline = replace(timeline, label=shown,
+                                   steps=[(e, rename[name]) for e, name in timeline.steps])
+                return _allocator_result(job, traced, timeline)
+            signature = None
 
     def events_for(sink):  # the repeated cycles skipped where the allocator can say so
         return replay_events(traced.steps, job.parallel.pp, traced.segments,
@@ -1227,17 +1342,22 @@ def allocator_row(job: Job, traced: TracedClass, snapshot_dir: Path | None = Non
 
     timeline, allocator = replay_through_allocator(
         events_for, traced.steps,
-        [("parameter", static.param_bytes), ("gradient", static.held_grad_bytes),
-         ("optimizer_state", static.optimizer_bytes), ("buffer", static.buffer_bytes)]
         # each workspace its own block, as its library allocates it (held from the start:
         # an approximation for those first made in backward, Workspace.first_use)
-        + [("workspace", w.nbytes) for w in static.workspaces],
-        label.replace("stage", "stage ").replace("_ep", ", EP rank "),
+        statics, shown,
         config=job.alloc_config,
         capacity=None if hbm is None else hbm - job.non_pytorch_memory_bytes,
         device_total=hbm, record_history=snapshot_dir is not None, series=series)
     if snapshot_dir is not None:
         write_snapshot(allocator.sim, snapshot_dir / f"{label}.pickle")
+    if signature is not None:
+        memo[signature] = (timeline, traced.steps)
+    return _allocator_result(job, traced, timeline)
+
+
+def _allocator_result(job: Job, traced: TracedClass, timeline) -> RankEstimate:
+    """``allocator_row``'s row from the class's own replay and the allocator's ``timeline``."""
+    replayed, hbm = traced.replayed, job.hbm_bytes
     mem = timeline.stats
     return RankEstimate(
         **_row_fields(traced),
@@ -1309,18 +1429,20 @@ def estimate(job: Job | str | ModelConfig, /, *, progress: Callable[[str], None]
                                 screened=True, before_tracing=True)
         traced = trace_classes(job, classes, cache, progress)
     pp = job.parallel.pp
+    replays: dict = {}  # rank classes of one replayed stream share it
     for one in traced:
         if progress:
             progress(f"replaying {_class_text(one.unit, pp)} through the schedule")
-        replay_class(job, one)
+        replay_class(job, one, replays)
     screened = screen and hbm is not None and any(
         t.replayed.peak_bytes + job.non_pytorch_memory_bytes > hbm for t in traced)
     ranks = []
+    memo: dict = {}  # rank classes of one allocator stream share its simulation
     for t in traced:
         if progress and not screened:
             progress(f"simulating the caching allocator for {_class_text(t.unit, pp)}")
         ranks.append(screened_row(job, t) if screened else
-                     allocator_row(job, t, snapshot_dir, plot is not None))
+                     allocator_row(job, t, snapshot_dir, plot is not None, memo))
     if plot is not None:
         plot_timelines([r.memory for r in ranks], plot, hbm_bytes=hbm,
                        usable_bytes=None if hbm is None else hbm - job.non_pytorch_memory_bytes,
