@@ -425,8 +425,9 @@ def activation_host_bytes(steps: list[Step], segments: Segments,
                           chunk_index: Callable[[int], int]) -> int:
     """The pinned host memory fine-grained activation offloading (or TE's CPU offloading,
     ``modeling.common.cpu_offload``: unpooled copies) holds at most over a rank's schedule
-    ``steps`` (``Segments.host``): each forward's host copies are held until its backward; Megatron's (shape, dtype) pool (``GPUTensorPool``, never shrunk) keeps as many
-    buffers per key as were ever held at once, the unpooled ones (``expert_fc1``,
+    ``steps`` (``Segments.host``): each forward's host copies are held until its backward;
+    Megatron's (shape, dtype) pool (``GPUTensorPool``, never shrunk) keeps as many buffers per
+    key as were ever held at once, the unpooled ones (``expert_fc1``,
     ``moe_act``: pinned ``torch.empty``) stay cached in PyTorch's caching host allocator by
     rounded size; every buffer a pinned block (``tracemem.offload.pinned_block``: a power of
     two). Pooled and unpooled blocks are counted apart (an approximation: the host allocator

@@ -401,8 +401,8 @@ class Job:
         optimizer: the step's Adam, "fused" or "torch" (``tracemem.optimizer_step``).
         optimizer_cpu_offload, optimizer_offload_fraction, pin_cpu_grads, pin_cpu_params:
             Megatron's optimizer CPU offload (``--optimizer-cpu-offload`` and its flags,
-            refused without it; ``tracemem.offload``). fine_grained_activation_offloading, offload_modules,
-            min_offloaded_tensor_size: Megatron-Core's fine-grained activation offloading
+            refused without it; ``tracemem.offload``). fine_grained_activation_offloading,
+            offload_modules, min_offloaded_tensor_size: Megatron-Core's fine-grained activation offloading
             (``--fine-grained-activation-offloading``, ``--offload-modules``,
             ``--min-offloaded-tensor-size`` elements; ``modeling.common.offload``, the
             decisions of an iteration after the first). cpu_offloading_num_layers: TE's CPU
@@ -937,8 +937,9 @@ def _check_te_cpu_offload(job: Job, par) -> None:
         raise TracememError(f"--cpu-offloading-num-layers {n}: CPU offloading can be done only "
                             f"for layers less than {layers} (Megatron's TransformerConfig)")
     if par.pp > 1:
-        raise TracememError(f"--cpu-offloading-num-layers with --pp {par.pp}: currently there is no support for pipeline "
-                            f"parallelism with CPU offloading (Megatron's TransformerConfig)")
+        raise TracememError(f"--cpu-offloading-num-layers with --pp {par.pp}: currently there "
+                            f"is no support for pipeline parallelism with CPU offloading "
+                            f"(Megatron's TransformerConfig)")
     if job.recompute != "none":
         raise TracememError(f"--cpu-offloading-num-layers with --recompute {job.recompute}: CPU "
                             f"offloading does not work when activation recomputation is "
