@@ -496,6 +496,9 @@ class Job:
     offload_modules: tuple[str, ...] = ()
     min_offloaded_tensor_size: int = 1024 * 1024
     cpu_offloading_num_layers: int = 0
+    # NVTE_CPU_OFFLOAD_V1=1 in the job's environment (the Megatron front door sets it): TE's
+    # v1 CPU offload path, refused with cpu_offloading_num_layers
+    te_cpu_offload_v1: bool = False
     ranks_per_node: int = 8
     hbm: str | None = None
     non_pytorch_memory: str = NON_PYTORCH_MEMORY_DEFAULT
@@ -793,6 +796,7 @@ class Job:
                 "offload_modules": list(self.offload_modules),
                 "min_offloaded_tensor_size": self.min_offloaded_tensor_size,
                 "cpu_offloading_num_layers": self.cpu_offloading_num_layers,
+                "te_cpu_offload_v1": self.te_cpu_offload_v1,
                 "ranks_per_node": self.ranks_per_node,
                 "replace": {kind: getattr(f, "__qualname__", repr(f))
                             for kind, f in self.replacements.items()},
@@ -924,7 +928,7 @@ def _check_te_cpu_offload(job: Job, par) -> None:
             (``TransformerConfig.__post_init__`` at Megatron-LM d98e8a6: N >= num_layers,
             pipeline parallelism, activation recompute; fine-grained activation offloading
             with it; TE absent: a profile other than megatron-te); what tracemem does not model
-            with it: a schedule other than 1F1B (Megatron's no-pipelining order), ZeRO-3 /
+            with it: TE's v1 path (``te_cpu_offload_v1``), a schedule other than 1F1B (Megatron's no-pipelining order), ZeRO-3 /
             Megatron-FSDP (its gathered weights would pass TE's offload check here)."""
     n = job.cpu_offloading_num_layers
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -932,6 +936,10 @@ def _check_te_cpu_offload(job: Job, par) -> None:
                             f"of layers (0, the default, is off)")
     if n == 0:
         return
+    if job.te_cpu_offload_v1:
+        raise TracememError("--cpu-offloading-num-layers with NVTE_CPU_OFFLOAD_V1=1 is not "
+                            "modelled (TE's v1 CPU offload path, transformer_engine/pytorch/"
+                            "cpu_offload_v1.py; the default path is)")
     layers = job.config.num_layers
     if n >= layers:
         raise TracememError(f"--cpu-offloading-num-layers {n}: CPU offloading can be done only "

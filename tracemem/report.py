@@ -416,8 +416,8 @@ def _legend(result, units: str, keys: Sequence[str] | None = None) -> list[str]:
                      f"tracemem/workspaces.py; --wide shows them).")
     if shown("host") and any(getattr(r, "host_bytes", 0) for r in result.ranks):
         lines.append("host: host (CPU) memory of the rank under --optimizer-cpu-offload, "
-                     "--fine-grained-activation-offloading and --ema host (pinned included), "
-                     "in neither peak nor reserved.")
+                     "--fine-grained-activation-offloading, --cpu-offloading-num-layers and "
+                     "--ema host (pinned included), in neither peak nor reserved.")
     job = getattr(result, "job", None)
     if (result.settings.get("recompute") == "selective" and job is not None
             and not job.config.is_mla and job.profile.orchestration == "megatron"

@@ -594,19 +594,16 @@ def _activation_offload(ns) -> dict[str, Any]:
 
 def _te_cpu_offload(ns, env: Mapping[str, str]) -> dict[str, Any]:
     """The Job's TE CPU offloading field (``modeling.common.cpu_offload``) from
-    ``--cpu-offloading-num-layers`` (which sets ``cpu_offloading``, validate_args); none
-    without it.
-
-    Raises:
-        TracememError: with ``NVTE_CPU_OFFLOAD_V1=1`` (TE's v1 path, not modelled)."""
+    ``--cpu-offloading-num-layers`` (which sets ``cpu_offloading``, validate_args; none
+    without it), and ``te_cpu_offload_v1`` under ``NVTE_CPU_OFFLOAD_V1=1`` (the Job refuses
+    it with CPU offloading on, whoever sets N: TE's v1 path is not modelled)."""
+    out = {}
+    if str(env.get("NVTE_CPU_OFFLOAD_V1", "0")).strip() == "1":
+        out["te_cpu_offload_v1"] = True  # the Job refuses it with CPU offloading on
     n = ns.cpu_offloading_num_layers
-    if not n or n <= 0:
-        return {}
-    _missing(str(env.get("NVTE_CPU_OFFLOAD_V1", "0")).strip() != "1",
-             "--cpu-offloading-num-layers with NVTE_CPU_OFFLOAD_V1=1 (TE's v1 CPU offload "
-             "path, transformer_engine/pytorch/cpu_offload_v1.py; the default path is "
-             "modelled)")
-    return {"cpu_offloading_num_layers": int(n)}
+    if n and n > 0:
+        out["cpu_offloading_num_layers"] = int(n)
+    return out
 
 
 def _zero(ns) -> int:
@@ -1347,11 +1344,14 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
             _num(f.get("optimizer_offload_fraction", 1.0))]
         + ([] if f.get("pin_cpu_grads", True) else ["--no-pin-cpu-grads"])
         + ([] if f.get("pin_cpu_params", True) else ["--no-pin-cpu-params"]),
-        "activation_offload": lambda: [] if not f.get("fine_grained_activation_offloading")
-        else ["--fine-grained-activation-offloading", "--offload-modules",
-              *f.get("offload_modules", ())]
-        + ([] if f.get("min_offloaded_tensor_size", 1024 * 1024) == 1024 * 1024 else [
-            "--min-offloaded-tensor-size", str(f["min_offloaded_tensor_size"])])
+        "activation_offload": lambda: ([] if not f.get("fine_grained_activation_offloading")
+                                       else ["--fine-grained-activation-offloading",
+                                             "--offload-modules",
+                                             *f.get("offload_modules", ())]
+                                       + ([] if f.get("min_offloaded_tensor_size",
+                                                      1024 * 1024) == 1024 * 1024 else [
+                                           "--min-offloaded-tensor-size",
+                                           str(f["min_offloaded_tensor_size"])]))
         + ([] if not f.get("cpu_offloading_num_layers") else [
             "--cpu-offloading-num-layers", str(f["cpu_offloading_num_layers"])]),
     }

@@ -85,7 +85,7 @@ HONOURED: dict[str, str] = {
                                    "copies, released on the device before layer L-N+j's "
                                    "forward, reloaded before layer L-1-N+j's backward; the "
                                    "host copies in host memory; with NVTE_CPU_OFFLOAD_V1=1 "
-                                   "refused",
+                                   "refused; N <= 0 is off, as in Megatron",
     "--num-layers": "model num_layers",
     "--mtp-num-layers": "model num_mtp_modules",
     "--account-for-embedding-in-pipeline-split": "account_for_embedding_in_pipeline_split",
@@ -385,7 +385,10 @@ NEUTRAL: dict[str, str] = {
     "--cpu-offloading-retain-pinned-cpu-buffers": "TE keeps the host copies for the next "
                                                   "iteration instead of freeing them to "
                                                   "the caching host allocator: the same "
-                                                  "host bytes at the peak, no device bytes",
+                                                  "host bytes at the peak, no device "
+                                                  "bytes; no effect without "
+                                                  "--cpu-offloading-num-layers, as in "
+                                                  "Megatron",
     "--mtp-loss-scaling-factor": "the MTP loss's weight (a scalar)",
     "--mtp-hybrid-override-pattern": "hybrid models only; Megatron ignores it for GPT models "
                                      "(validate_args warns)",

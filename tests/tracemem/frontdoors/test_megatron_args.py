@@ -426,10 +426,22 @@ def test_te_cpu_offloading_is_honoured_and_its_v1_path_refused():
                                  world_size=1)
     assert kwargs["cpu_offloading_num_layers"] == 2
     assert "cpu_offloading_num_layers" not in megatron_job_kwargs(_tiny(), world_size=1)
-    with pytest.raises(TracememError, match=r"not modelled yet: --cpu-offloading-num-layers "
-                                            r"with NVTE_CPU_OFFLOAD_V1=1"):
-        megatron_job_kwargs(_tiny("--cpu-offloading-num-layers", "2"), world_size=1,
-                            env={"NVTE_CPU_OFFLOAD_V1": "1"})
+    # TE's v1 path: refused by the Job whoever sets N (the job's flag or one over it), and
+    # not refused when N is 0 in the end
+    v1 = {"NVTE_CPU_OFFLOAD_V1": "1"}
+    with pytest.raises(TracememError, match=r"^--cpu-offloading-num-layers with "
+                                            r"NVTE_CPU_OFFLOAD_V1=1 is not modelled"):
+        megatron_job(_tiny("--cpu-offloading-num-layers", "2"), world_size=1, env=v1)
+    with pytest.raises(TracememError, match=r"NVTE_CPU_OFFLOAD_V1=1 is not modelled"):
+        megatron_job(_tiny(), world_size=1, env=v1, cpu_offloading_num_layers=2)
+    assert megatron_job(_tiny("--cpu-offloading-num-layers", "2"), world_size=1, env=v1,
+                        cpu_offloading_num_layers=0).cpu_offloading_num_layers == 0
+    # and the job's Megatron arguments keep it
+    from tracemem.frontdoors.megatron import to_megatron_args
+
+    args = to_megatron_args(megatron_job(_tiny("--cpu-offloading-num-layers", "2"),
+                                         world_size=1))
+    assert args[args.index("--cpu-offloading-num-layers") + 1] == "2"
     # Megatron's TransformerConfig refusals, from the Job
     with pytest.raises(TracememError, match=r"with --pipeline-model-parallel-size 2: "
                                             r"currently there is no support for pipeline"):
