@@ -473,7 +473,8 @@ def test_host_memory_is_a_wide_column_only_when_a_rank_has_some(tiny):
     assert table[0].split()[-1] == "host"
     assert [row.split()[-1] for row in table[2:]] == ["3.00", "5.00"]
     assert ("host: host (CPU) memory of the rank under --optimizer-cpu-offload, "
-            "--fine-grained-activation-offloading and --ema host") in wide
+            "--fine-grained-activation-offloading, --cpu-offloading-num-layers and --ema "
+            "host") in wide
     assert "host" not in _table_lines(format_estimate(tiny, units="MiB", wide=True))[0]
     assert "host" not in _table_lines(format_estimate(replace(tiny, ranks=ranks),
                                                       units="MiB"))[0]
