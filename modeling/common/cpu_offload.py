@@ -322,8 +322,9 @@ def enabled() -> bool:
 
 def mark_base(*tensors: Tensor | None) -> None:
     """TE's ``start_offload(*tensors, offload_base_tensor=True)`` where offloading is on
-    (``FusedAttnFunc`` / ``FlashAttention`` / ``UnfusedDotProductAttention`` forwards for q,
-    k and v): a view among them is offloaded as its base."""
+    (``FusedAttnFunc`` and ``FlashAttention`` forwards for q, k and v, backends.py; called
+    from ``te_fused_attention`` / ``te_flash_attention``): a view among them is offloaded as
+    its base."""
     if not enabled():
         return
     for t in tensors:
