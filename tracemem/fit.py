@@ -737,7 +737,8 @@ def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
             group of layouts.
 
     Each layout is ``dataclasses.replace(base, **layout.job_fields())`` of one base ``Job``,
-    validated here, once, before any worker starts.
+    each validated here before any worker starts: a layout the ``Job`` refuses with the fixed
+    fields is rejected (counted in ``FitResult.rejected`` under the refusal's reason).
 
     Raises:
         TracememError: invalid input (the flag, the value and a fix), no valid layout in the
@@ -795,8 +796,24 @@ def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
         raise TracememError(f"no valid layout of {cfg.name} on {world_size} GPUs in the search "
                             f"space ({reasons}); widen the space flags")
     fixed.pop("num_microbatches", None)  # each layout's M follows from the global batch
-    # the fixed fields validated once, here, before any worker starts (one-line errors)
-    base = Job(**(fixed | layouts[0].job_fields()))
+    # every layout validated as the Job it will be, here, before any worker starts: a layout
+    # the Job refuses with the fixed fields (--cpu-offloading-num-layers with PP > 1, say) is
+    # rejected with its reason; when the Job refuses every layout, its first one-line error
+    # is raised (a fixed field that is wrong whatever the layout)
+    base, first_error, valid = None, None, []
+    for layout in layouts:
+        try:
+            one = Job(**(fixed | layout.job_fields()))
+        except TracememError as error:
+            first_error = first_error or error
+            reason = _reason(error)
+            rejected[reason] = rejected.get(reason, 0) + 1
+            continue
+        base = base or one
+        valid.append(layout)
+    if base is None:
+        raise first_error
+    layouts = valid
     job = (base, cache_dir, f"{os.getpid()}-{time.time_ns()}")
     if cache_dir is not None:
         from tracemem.estimator import TraceCache

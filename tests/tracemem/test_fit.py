@@ -186,3 +186,20 @@ def test_fit_cli_errors(capsys, extra, message):
     assert main(args + extra) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_layouts_the_job_refuses_are_rejected_not_fatal():
+    # TE CPU offloading has no pipeline parallelism (Megatron's TransformerConfig): with N = 1
+    # fixed, the PP 2 layout is rejected under the Job's reason and PP 1 is still estimated;
+    # a fixed field wrong for every layout (N = 4 of 4 layers) is the Job's one-line error
+    space = SearchSpace(tp=(1,), ep=(1,), pp=(2, 1), recompute=("none",), zero=(1,),
+                        micro_batch_size=(1,), schedule=("1f1b",))
+    fields = dict(world_size=2, hbm="80GiB", seq_length=64, global_batch_size=4,
+                  space=space, workers=1, kernels="megatron-te", closest=0)
+    result = fit("deepseek-tiny", cpu_offloading_num_layers=1, **fields)
+    assert [r.layout.pp for r in result.rows] == [1]
+    assert result.job.cpu_offloading_num_layers == 1
+    assert result.rejected == {"--cpu-offloading-num-layers with --pp 2: currently there is "
+                               "no support for pipeline parallelism with CPU offloading": 1}
+    with pytest.raises(TracememError, match="only for layers less than 4"):
+        fit("deepseek-tiny", cpu_offloading_num_layers=4, **fields)
