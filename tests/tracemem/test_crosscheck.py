@@ -50,11 +50,21 @@ def test_table_10_total_and_the_traced_peak_are_both_printed(rows):
     assert peak.traced > 15 * 0.9 * peak.formula
 
 
-def test_crosscheck_cli_json(capsys):
-    assert main(["crosscheck", "--paper", "2502.07846", "--b", "1", "--s", "1024",
+def test_crosscheck_cli_json(capsys, monkeypatch, rows):
+    # the CLI's wiring and JSON fields over the module's rows (b=1, s=4096), not a second
+    # crosscheck of the whole model (16 s)
+    import tracemem.crosscheck
+
+    asked = []
+    monkeypatch.setattr(tracemem.crosscheck, "paper_rows",
+                        lambda b, s: asked.append((b, s)) or list(rows.values()))
+    assert main(["crosscheck", "--paper", "2502.07846", "--b", "1", "--s", "4096",
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
+    assert asked == [(1, 4096)]
     assert {"quantity", "formula", "traced", "difference", "unit", "reason"} <= set(result[0])
+    assert [(r["quantity"], r["traced"], r["difference"]) for r in result] == \
+        [(r.quantity, r.traced, r.difference) for r in rows.values()]
     assert result[0]["difference"] == 0
 
 
