@@ -769,12 +769,15 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
 
     def run(index: int) -> Iterator[ReplayedEvent]:
         step = steps[index]
-        stage, microbatch = step.stage, step.microbatch
         key_of_step = key_of(step)
         events = segments.events[key_of_step]
-        if not marks_of or step.kind != "B":
-            yield from play(index, stage, microbatch, events)
-            return
+        if not marks_of or step.kind != "B":  # play's own generator: one frame less an event
+            return play(index, step.stage, step.microbatch, events)
+        return marked(index, step, key_of_step, events)
+
+    def marked(index: int, step: Step, key_of_step, events) -> Iterator[ReplayedEvent]:
+        """A B step with offload marks: the next chunk's groups reloaded at its marks."""
+        stage, microbatch = step.stage, step.microbatch
         where = (key_of_step[0], key_of_step[2])
         done = early_done.pop((stage, microbatch), 0)
         skip = prereloads_of.get(where, ())[:done]  # replayed at the previous chunk's marks

@@ -121,16 +121,22 @@ class _Block:
         return self.prev is not None or self.next is not None
 
 
+_ADDR_BITS = 64  # a pool key is size << 64 | address: one int orders as (size, address)
+_ADDR_MASK = (1 << _ADDR_BITS) - 1
+_NO_MAX_SPLIT = 2**64  # max_split_size unset: no block is oversize
+
+
 class _Pool:
     """``BlockPool``: free mapped blocks ordered by (size, address) for the best-fit
     ``lower_bound`` (``BlockComparatorSize``; one stream), and unmapped expandable ranges by
-    address (``BlockComparatorAddress``)."""
+    address (``BlockComparatorAddress``). ``keys`` holds each free block as the one int
+    ``size << 64 | address`` (the same order as the pair, compared faster)."""
 
     __slots__ = ("small", "keys", "blocks", "unmapped_addrs", "unmapped", "gc_calls")
 
     def __init__(self, small: bool):
         self.small = small
-        self.keys: list[tuple[int, int]] = []
+        self.keys: list[int] = []
         self.blocks: dict[int, _Block] = {}
         self.unmapped_addrs: list[int] = []
         self.unmapped: dict[int, _Block] = {}
@@ -138,14 +144,19 @@ class _Pool:
 
     def insert(self, b: _Block) -> None:  # insert_into_blocks
         b.gc_base = self.gc_calls
-        insort(self.keys, (b.size, b.addr))
+        insort(self.keys, b.size << _ADDR_BITS | b.addr)
         self.blocks[b.addr] = b
 
     def remove(self, b: _Block) -> None:
-        i = bisect_left(self.keys, (b.size, b.addr))
-        assert self.keys[i] == (b.size, b.addr)
-        del self.keys[i]
+        keys, key = self.keys, b.size << _ADDR_BITS | b.addr
+        i = bisect_left(keys, key)
+        assert keys[i] == key
+        del keys[i]
         del self.blocks[b.addr]
+
+    def block_at(self, i: int) -> _Block:
+        """The free block of ``keys[i]``."""
+        return self.blocks[self.keys[i] & _ADDR_MASK]
 
     def insert_unmapped(self, b: _Block) -> None:
         insort(self.unmapped_addrs, b.addr)
@@ -158,7 +169,7 @@ class _Pool:
         del self.unmapped[b.addr]
 
     def largest(self) -> int:
-        return self.keys[-1][0] if self.keys else 0
+        return self.keys[-1] >> _ADDR_BITS if self.keys else 0
 
 
 @dataclass(frozen=True)
@@ -237,8 +248,10 @@ class CachingAllocatorSimulator:
         if config.per_process_memory_fraction is not None and self.device_total is not None:
             self.allowed_max = int(config.per_process_memory_fraction * self.device_total)
         self._gc = self.allowed_max is not None and config.garbage_collection_threshold > 0
-        self.max_split = config.max_split_size if config.max_split_size is not None else 2**64
+        self.max_split = config.max_split_size if config.max_split_size is not None \
+            else _NO_MAX_SPLIT
         self._plain_rounding = max(config.roundup_power2_divisions) <= 1
+        self._expandable = bool(config.expandable_segments)
         self.small = _Pool(True)
         self.large = _Pool(False)
         self.live: dict[Hashable, _Block] = {}
@@ -270,18 +283,20 @@ class CachingAllocatorSimulator:
         Raises:
             TracememError: ``key`` is already allocated or ``nbytes`` is not an int >= 0.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        if type(nbytes) is not int and (isinstance(nbytes, bool)
+                                        or not isinstance(nbytes, int)) or nbytes < 0:
             raise TracememError(f"allocation {key!r}: nbytes={nbytes!r} must be an int >= 0")
-        if key in self.live:
+        live = self.live
+        if key in live:
             raise TracememError(f"allocation {key!r} is already live; free it first")
         if nbytes:
             self._info = info
             block = self._malloc(nbytes)
             block.key, block.info = key, info
-            self.live[key] = block
+            live[key] = block
             self.requested_bytes += nbytes
         else:
-            self.live[key] = None
+            live[key] = None
         self._sample()
 
     def free(self, key: Hashable) -> None:
@@ -291,13 +306,19 @@ class CachingAllocatorSimulator:
         Raises:
             TracememError: ``key`` is not allocated.
         """
-        if key not in self.live:
-            raise TracememError(f"free of {key!r}, which is not allocated")
-        block = self.live.pop(key)
+        try:
+            block = self.live.pop(key)
+        except KeyError:
+            raise TracememError(f"free of {key!r}, which is not allocated") from None
         if block is not None:
             self.requested_bytes -= block.requested
             self._free(block)
-        self._sample()
+        # _sample, of which only the series and the count can change: a free raises no
+        # peak (allocated and requested bytes fall, reserved bytes stay: a free caches)
+        if self._record_series:
+            self.allocated_series.append(self.allocated_bytes)
+            self.reserved_series.append(self.reserved_bytes)
+        self.events += 1
 
     def step(self, action: str, key: Hashable, nbytes: int = 0,
              info: dict | None = None) -> None:
@@ -379,15 +400,16 @@ class CachingAllocatorSimulator:
 
     # ----------------------------------------------------------------- internals
     def _sample(self) -> None:
+        allocated, reserved = self.allocated_bytes, self.reserved_bytes
         if self._record_series:
-            self.allocated_series.append(self.allocated_bytes)
-            self.reserved_series.append(self.reserved_bytes)
-        if self.allocated_bytes > self.allocated_peak:
-            self.allocated_peak = self.allocated_bytes
+            self.allocated_series.append(allocated)
+            self.reserved_series.append(reserved)
+        if allocated > self.allocated_peak:
+            self.allocated_peak = allocated
         if self.requested_bytes > self.requested_peak:
             self.requested_peak = self.requested_bytes
-        if self.reserved_bytes > self.reserved_peak or self._at_peak[0] is None:
-            self.reserved_peak = self.reserved_bytes
+        if reserved > self.reserved_peak or self._at_peak[0] is None:
+            self.reserved_peak = reserved
             self._at_peak = (self.events, self.allocated_bytes, self.largest_free_block(),
                              self._n_segments)
         self.events += 1
@@ -410,9 +432,9 @@ class CachingAllocatorSimulator:
         else:
             size = round_size(orig_size, self.config)
         pool = self.small if size <= K_SMALL_SIZE else self.large  # get_pool
-        alloc_size = get_allocation_size(size, self.config.large_segment_size)
         block = self._get_free_block(pool, size)
         if block is None:
+            alloc_size = get_allocation_size(size, self.config.large_segment_size)
             if self._gc:
                 self._garbage_collect_cached_blocks()
             block = self._alloc_block(pool, size, alloc_size)
@@ -430,17 +452,27 @@ class CachingAllocatorSimulator:
                 self.capacity = self.allowed_max = None
                 self._gc = False
                 block = self._alloc_block(pool, size, alloc_size)
-        return self._alloc_found_block(block, pool, size, orig_size,
-                                       self._should_split(block, size))
+        # DeviceCachingAllocator::should_split (inline: the hot path)
+        remaining = block.size - size
+        if block.pool.small or self._expandable:
+            split = remaining >= K_MIN_BLOCK_SIZE
+        else:
+            split = size < self.max_split and remaining > K_SMALL_SIZE
+        return self._alloc_found_block(block, pool, size, orig_size, split)
 
     def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
         # DeviceCachingAllocator::get_free_block
         if self._gc:
             pool.gc_calls += 1
-        i = bisect_left(pool.keys, (size, -1))  # lower_bound(search_key): best fit
-        if i == len(pool.keys):
+        keys = pool.keys
+        i = bisect_left(keys, size << _ADDR_BITS)  # lower_bound(search_key): best fit
+        if i == len(keys):
             return None
-        block = pool.blocks[pool.keys[i][1]]
+        block = pool.blocks[keys[i] & _ADDR_MASK]
+        if not block.seg.expandable and self.max_split == _NO_MAX_SPLIT:  # the common case
+            del keys[i]  # pool.remove(block), its index known
+            del pool.blocks[block.addr]
+            return block
         if block.seg.expandable:
             if self.config.expandable_segments:
                 # best fit by the size a block can grow to (its unmapped successor counts)
@@ -448,17 +480,17 @@ class CachingAllocatorSimulator:
                     return b.size + (b.next.size if b.next is not None and not b.next.mapped
                                      else 0)
                 j = i + 1
-                while (block.seg.expandable and j < len(pool.keys)
-                       and grow(pool.blocks[pool.keys[j][1]]) < grow(block)):
-                    block = pool.blocks[pool.keys[j][1]]
+                while (block.seg.expandable and j < len(keys)
+                       and grow(pool.block_at(j)) < grow(block)):
+                    block = pool.block_at(j)
                     j += 1
             else:
                 j = i + 1
-                while j < len(pool.keys) and pool.blocks[pool.keys[j][1]].seg.expandable:
+                while j < len(keys) and pool.block_at(j).seg.expandable:
                     j += 1
-                if j == len(pool.keys):
+                if j == len(keys):
                     return None
-                block = pool.blocks[pool.keys[j][1]]
+                block = pool.block_at(j)
         # do not return an oversized block for a request below max_split_size
         if size < self.max_split and block.size >= self.max_split:
             return None
@@ -468,13 +500,6 @@ class CachingAllocatorSimulator:
             return None
         pool.remove(block)
         return block
-
-    def _should_split(self, block: _Block, size: int) -> bool:
-        # DeviceCachingAllocator::should_split
-        remaining = block.size - size
-        if block.pool.small or self.config.expandable_segments:
-            return remaining >= K_MIN_BLOCK_SIZE
-        return size < self.max_split and remaining > K_SMALL_SIZE
 
     def _alloc_found_block(self, block: _Block, pool: _Pool, size: int, orig_size: int,
                            split: bool) -> _Block:
@@ -576,13 +601,13 @@ class CachingAllocatorSimulator:
         if self.config.max_split_size is None:
             return False
         key = max(size, self.max_split)
-        i = bisect_left(pool.keys, (key, -1))
-        if i == len(pool.keys) or pool.blocks[pool.keys[i][1]].seg.expandable:
+        i = bisect_left(pool.keys, key << _ADDR_BITS)
+        if i == len(pool.keys) or pool.block_at(i).seg.expandable:
             if i == 0:
                 return False
             released, i = 0, i - 1
             while released < key and i >= 0:
-                block = pool.blocks[pool.keys[i][1]]
+                block = pool.block_at(i)
                 if block.size < self.max_split:
                     break
                 if not block.seg.expandable:
@@ -590,7 +615,7 @@ class CachingAllocatorSimulator:
                     self._release_block(block)
                 i -= 1
             return released >= key
-        self._release_block(pool.blocks[pool.keys[i][1]])
+        self._release_block(pool.block_at(i))
         return True
 
     def _release_cached_blocks(self) -> None:
@@ -598,8 +623,8 @@ class CachingAllocatorSimulator:
         # cudaFree every free unsplit segment; unmap the free pages of expandable segments
         for pool in (self.large, self.small):
             to_unmap = []
-            for _, addr in list(pool.keys):
-                block = pool.blocks[addr]
+            for key in list(pool.keys):
+                block = pool.blocks[key & _ADDR_MASK]
                 if block.seg.expandable:
                     to_unmap.append(block)
                 elif not block.is_split():
@@ -618,7 +643,8 @@ class CachingAllocatorSimulator:
             return
         target = self.reserved_bytes - threshold
         pool = self.large
-        freeable = [pool.blocks[a] for _, a in pool.keys if not pool.blocks[a].is_split()]
+        freeable = [b for b in map(pool.blocks.__getitem__, (k & _ADDR_MASK for k in pool.keys))
+                    if not b.is_split()]
         total_age = sum(pool.gc_calls - b.gc_base for b in freeable)
         count = len(freeable)
         if count == 0:
@@ -627,8 +653,8 @@ class CachingAllocatorSimulator:
         while reclaimed < target and freed and count > 0:
             age_threshold = total_age / count
             freed = False
-            for _, addr in list(pool.keys):
-                block = pool.blocks.get(addr)
+            for key in list(pool.keys):
+                block = pool.blocks.get(key & _ADDR_MASK)
                 if block is None or block.is_split() or block.seg.expandable:
                     continue
                 age = pool.gc_calls - block.gc_base
