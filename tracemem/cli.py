@@ -706,7 +706,8 @@ def _flag_fields(args: argparse.Namespace) -> dict:
     if hasattr(args, "space_tp"):  # tracemem fit: the settings every layout shares
         fields.update(seq_length=args.seq_length, global_batch_size=args.global_batch_size,
                       attention=args.attention, precision=args.precision,
-                      alloc_conf=args.alloc_conf, non_pytorch_memory=args.non_pytorch_memory)
+                      alloc_conf=args.alloc_conf, non_pytorch_memory=args.non_pytorch_memory,
+                      cpu_offloading_num_layers=args.cpu_offloading_num_layers)
     if hasattr(args, "tp"):
         fields.update(world_size=args.world_size, **_layout_kwargs(args))
     if hasattr(args, "kernels"):
@@ -769,7 +770,7 @@ def _megatron_job(args: argparse.Namespace, **fixed):
     if args.megatron_args == [] and args.megatron_config is None:
         raise TracememError("--megatron-args needs Megatron-LM arguments after it (or @FILE); "
                             "it takes everything that follows it, so give it last")
-    from tracemem.frontdoors.megatron_args import megatron_arguments
+    from tracemem.frontdoors.megatron_args import megatron_arguments, parse_with_given
 
     mine = getattr(args, "options", set())
     theirs = {o for a in megatron_arguments() for o in a["flags"]}
@@ -815,8 +816,6 @@ def _megatron_job(args: argparse.Namespace, **fixed):
                             or (name in absent and name not in kwargs
                                 and absent[name] != value))
     if fp8_argv:  # the typed FP8 flags whose value differs from the job's own
-        from tracemem.frontdoors.megatron_args import parse_with_given
-
         own = parse_with_given(argv)[0]
         args.overrides = sorted(args.overrides + [
             record.flag[2:].replace("-", "_") for record in _fp8_records().values()
@@ -824,6 +823,13 @@ def _megatron_job(args: argparse.Namespace, **fixed):
             and getattr(own, record["dest"]) != getattr(args, record["dest"])])
     if args.vocab_size is not None and any(a.split("=")[0] == "--vocab-size" for a in argv):
         args.overrides.append("vocab_size")  # tracemem's --vocab-size over Megatron's
+    # of those, the ones the job's arguments do not give (Megatron's default replaced, such
+    # as G = b x DP without --global-batch-size): said as set, not as overriding the job's
+    from tracemem.frontdoors.megatron import megatron_dest
+
+    given_dests = parse_with_given(argv)[1] if argv else set()
+    args.defaulted = [name for name in args.overrides
+                      if (dest := megatron_dest(name)) is not None and dest not in given_dests]
     if overrides.get("kernels", "megatron-te") != "megatron-te":
         # the job's kernel options are megatron-te's (Megatron's flags): another profile's
         # kernels replace them whole; typed FP8 flags stay, for the Job to refuse by name
@@ -1293,8 +1299,17 @@ def _override_note(args: argparse.Namespace) -> str:
         lines += [f"- {a}" for a in recipe.approximations]
     door = getattr(args, "front_door", "Megatron-LM")  # "torchtitan" from _torchtitan_job
     if getattr(args, "overrides", None):
-        flags = ", ".join("--" + name.replace("_", "-") for name in args.overrides)
-        lines.append(f"tracemem's flags override the {door} job's: {flags}")
+        defaulted = getattr(args, "defaulted", ())
+        over = [name for name in args.overrides if name not in defaulted]
+        said = []
+        if over:
+            said.append(f"tracemem's flags override the {door} job's: "
+                        + ", ".join("--" + name.replace("_", "-") for name in over))
+        if defaulted:
+            said.append(("and" if over else f"tracemem's flags") + f" set what the {door} "
+                        f"job leaves to its default: "
+                        + ", ".join("--" + name.replace("_", "-") for name in defaulted))
+        lines.append("; ".join(said))
     notes = getattr(args, "approximations", None)
     unlisted = getattr(args, "approximations_unlisted", None)
     if unlisted:
@@ -1409,6 +1424,11 @@ def _add_fit_parser(sub) -> None:
                            "peak (default 512MiB, as tracemem estimate)")
     step.add_argument("--alloc-conf", default=None, metavar="SETTINGS",
                       help="PYTORCH_CUDA_ALLOC_CONF settings of the simulated allocator")
+    step.add_argument("--cpu-offloading-num-layers", type=int, default=0, metavar="N",
+                      help="Megatron-LM's flag, as tracemem estimate's: Transformer Engine's "
+                           "CPU offloading of the first N decoder layers' saved tensors; "
+                           "layouts with PP > 1 or recompute are skipped under Megatron's "
+                           "refusal (default %(default)s: off; docs/offload.md)")
     run = fit.add_argument_group("run")
     run.add_argument("--workers", type=int, default=None,
                      help="local worker processes (default: every core); 1 runs in this "
@@ -1466,7 +1486,9 @@ def _run_fit(args: argparse.Namespace) -> str:
                      seq_length=args.seq_length, global_batch_size=args.global_batch_size,
                      attention=args.attention, kernels=args.kernels,
                      kernel_options=_kernel_options(args), precision=args.precision,
-                     alloc_conf=args.alloc_conf, origin="flags", **run, **nodes,
+                     alloc_conf=args.alloc_conf,
+                     cpu_offloading_num_layers=args.cpu_offloading_num_layers,
+                     origin="flags", **run, **nodes,
                      **({} if args.non_pytorch_memory is None else
                         {"non_pytorch_memory": args.non_pytorch_memory}))
     if show:

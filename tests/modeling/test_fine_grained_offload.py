@@ -256,5 +256,5 @@ def test_typed_offload_flags_over_a_megatron_job_without_them_are_named(tmp_path
     assert main(["estimate", "--world-size", "2", "--quiet",
                  "--fine-grained-activation-offloading", "--offload-modules", "core_attn",
                  "--megatron-args", f"@{args}"]) == 0
-    assert ("tracemem's flags override the Megatron-LM job's: "
+    assert ("tracemem's flags set what the Megatron-LM job leaves to its default: "
             "--fine-grained-activation-offloading, --offload-modules") in capsys.readouterr().out

@@ -118,8 +118,9 @@ def test_typed_fp8_flags_beside_a_megatron_job_override_it_and_say_so(capsys, tm
                  "--print-megatron-args", "--megatron-args", f"@{path}"])
     out = capsys.readouterr()
     assert code == 0
-    assert out.err.splitlines()[0] == ("tracemem's flags override the Megatron-LM job's: "
-                                       "--fp8-recipe")
+    # the job gives no --fp8-recipe: Megatron's default (delayed) is what the flag replaces
+    assert out.err.splitlines()[0] == ("tracemem's flags set what the Megatron-LM job leaves "
+                                       "to its default: --fp8-recipe")
     assert out.out.rstrip().endswith("--fp8-format hybrid \\\n--fp8-recipe tensorwise")
     job = megatron_job(MEGATRON + "--fp8-format hybrid --fp8-recipe tensorwise".split(),
                        world_size=2)

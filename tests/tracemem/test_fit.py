@@ -179,6 +179,10 @@ def test_fit_cli(capsys):
     (["--address", "auto"], "--address applies to --engine ray"),
     (["--workers", "0"], "--workers 0 must be a positive integer"),
     (["--global-batch-size", "0"], "--global-batch-size 0 must be a positive integer"),
+    # deepseek-tiny has 4 layers: Megatron's TransformerConfig refuses N >= num_layers
+    (["--cpu-offloading-num-layers", "4", "--kernels", "megatron-te"],
+     "--cpu-offloading-num-layers 4: CPU offloading can be done only for layers less than 4"),
+    (["--cpu-offloading-num-layers", "-1"], "--cpu-offloading-num-layers -1 is invalid"),
 ])
 def test_fit_cli_errors(capsys, extra, message):
     args = ["fit", "--model", "deepseek-tiny", "--world-size", "4", "--hbm", "1GiB",
@@ -203,3 +207,18 @@ def test_layouts_the_job_refuses_are_rejected_not_fatal():
                                "no support for pipeline parallelism with CPU offloading": 1}
     with pytest.raises(TracememError, match="only for layers less than 4"):
         fit("deepseek-tiny", cpu_offloading_num_layers=4, **fields)
+
+
+def test_fit_cli_cpu_offloading_num_layers(capsys):
+    # tracemem fit's own flag, as the Python fit()'s field: the PP 2 layout skipped under the
+    # Job's refusal, PP 1 estimated with N = 1
+    args = ["fit", "--model", "deepseek-tiny", "--world-size", "2", "--hbm", "80GiB",
+            "--seq-length", "64", "--global-batch-size", "4", "--kernels", "megatron-te",
+            "--tp", "1", "--ep", "1", "--pp", "2,1", "--recompute", "none", "--zero", "1",
+            "--micro-batch-size", "1", "--schedule", "1f1b", "--closest", "0", "--workers", "1",
+            "--quiet", "--json", "--cpu-offloading-num-layers", "1"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["pp"] for r in data["rows"]] == [1]
+    assert data["rejected"] == {"--cpu-offloading-num-layers with --pp 2: currently there is "
+                                "no support for pipeline parallelism with CPU offloading": 1}

@@ -594,8 +594,9 @@ def _activation_offload(ns) -> dict[str, Any]:
 
 def _te_cpu_offload(ns, env: Mapping[str, str]) -> dict[str, Any]:
     """The Job's TE CPU offloading field (``modeling.common.cpu_offload``) from
-    ``--cpu-offloading-num-layers`` (which sets ``cpu_offloading``, validate_args; none
-    without it), and ``te_cpu_offload_v1`` under ``NVTE_CPU_OFFLOAD_V1=1`` (the Job refuses
+    ``--cpu-offloading-num-layers`` (which sets ``cpu_offloading`` when above 0,
+    ``validate_args`` at Megatron-LM d98e8a6, arguments.py: 0 or a negative count leaves it
+    off, so none then), and ``te_cpu_offload_v1`` under ``NVTE_CPU_OFFLOAD_V1=1`` (the Job refuses
     it with CPU offloading on, whoever sets N: TE's v1 path is not modelled)."""
     out = {}
     if str(env.get("NVTE_CPU_OFFLOAD_V1", "0")).strip() == "1":
@@ -904,6 +905,19 @@ _MEGATRON_NAMES = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model
                    "etp": "--expert-tensor-parallel-size", "sp": "--sequence-parallel",
                    "vpp": "--num-virtual-stages-per-pipeline-rank",
                    "recompute": "--recompute-granularity"}
+
+
+def megatron_dest(field_name: str) -> str | None:
+    """The dest of the Megatron-LM argument that gives the ``Job`` field ``field_name``
+    (``tp``: ``tensor_model_parallel_size``; a field named as its argument, such as
+    ``global_batch_size``, itself), or None where no one argument gives it (kernel options,
+    fields of several arguments)."""
+    if field_name in _MEGATRON_NAMES:
+        return _MEGATRON_NAMES[field_name][2:].replace("-", "_")
+    from tracemem.frontdoors.megatron_args import megatron_arguments
+
+    dests = {a["dest"] for a in megatron_arguments()}
+    return field_name if field_name in dests else None
 
 
 def in_megatron_terms(error: TracememError, typed=frozenset()) -> TracememError:
