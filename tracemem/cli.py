@@ -42,7 +42,9 @@ class _Progress:
     and how far along), at most one every ``PROGRESS_INTERVAL_S`` seconds and none before
     that much time has passed, so a long command says it is working without flooding a log,
     and a quick one (or a usage error, one line) prints nothing else. ``done()`` clears the
-    terminal's line."""
+    terminal's line; ``done(held=True)``, piped, where a line was printed, also prints the
+    last message the interval held back, so a log ends with how far a count got (fit's
+    "24/24 layouts")."""
 
     def __init__(self, stream=None, interval: float | None = None, clock=None) -> None:
         import time
@@ -52,6 +54,8 @@ class _Progress:
         self.interval = PROGRESS_INTERVAL_S if interval is None else interval
         self.clock = clock or time.monotonic
         self.last = self.clock()  # the start: the first line comes an interval later
+        self.printed = False  # piped: a line printed yet
+        self.held: str | None = None  # piped: the latest message the interval held back
 
     def __call__(self, message: str) -> None:
         try:
@@ -60,17 +64,22 @@ class _Progress:
                 return
             now = self.clock()
             if now - self.last >= self.interval:
-                self.last = now
+                self.last, self.printed, self.held = now, True, None
                 print(f"tracemem: {message}", file=self.stream, flush=True)
+            else:
+                self.held = message
         except OSError:  # stderr closed or full: progress is not worth failing for
             pass
 
-    def done(self) -> None:
-        if self.tty:
-            try:
+    def done(self, held: bool = False) -> None:
+        try:
+            if self.tty:
                 print("\r" + " " * 79 + "\r", end="", file=self.stream, flush=True)
-            except OSError:
-                pass
+            elif held and self.printed and self.held is not None:
+                print(f"tracemem: {self.held}", file=self.stream, flush=True)
+                self.held = None
+        except OSError:
+            pass
 
 
 def _progress(quiet: bool) -> _Progress | None:
@@ -1492,7 +1501,7 @@ def _run_fit(args: argparse.Namespace) -> str:
                      **({} if args.non_pytorch_memory is None else
                         {"non_pytorch_memory": args.non_pytorch_memory}))
     if show:
-        show.done()
+        show.done(held=True)  # a log ends with the count done
     if args.json:
         return format_fit_json(result)
     if args.csv:

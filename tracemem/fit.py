@@ -931,8 +931,8 @@ def _pp_text(layout: Layout) -> str:
 _COLUMNS = ("TP", "SP", "CP", "EP", "ETP", "PP (first/../last)", "VPP", "b", "M", "recompute",
             "ZeRO", "schedule")
 # the layout columns the default table shows only when the rows differ in them (else they
-# are said once, above the table): those a derived or given space most often holds constant
-_OPTIONAL = ("SP", "CP", "EP", "ETP", "VPP", "b", "schedule")
+# are said once, above the table): all but TP and PP, which every table shows
+_OPTIONAL = ("SP", "CP", "EP", "ETP", "VPP", "b", "M", "recompute", "ZeRO", "schedule")
 
 
 def _layout_cells(lay: Layout) -> dict[str, str]:
@@ -963,8 +963,11 @@ def _shown_columns(rows: list[FitRow], wide: bool) -> tuple[tuple[str, ...], str
     cells = [_layout_cells(r.layout) for r in rows]
     constant = [c for c in _OPTIONAL if len({row[c] for row in cells}) == 1]
     shown = tuple(c for c in _COLUMNS if c not in constant)
-    return shown, ("Every layout below: " + ", ".join(
-        f"{c} {cells[0][c]}" for c in constant) + "." if constant else "")
+    import textwrap
+
+    return shown, (textwrap.fill("Every layout below: " + ", ".join(
+        f"{c} {cells[0][c]}" for c in constant) + ".", 100, break_on_hyphens=False)
+        if constant else "")
 
 
 def format_fit(result: FitResult, top: int = 20, wide: bool = False) -> str:
@@ -1043,9 +1046,14 @@ def format_fit(result: FitResult, top: int = 20, wide: bool = False) -> str:
                         if result.closest else "") + ".")
     if result.rejected:
         skipped = sum(result.rejected.values())
-        top_reasons = sorted(result.rejected.items(), key=lambda kv: -kv[1])[:3]
-        lines.append(f"Not valid, skipped: {skipped} candidates; the most common reasons: " +
-                     "; ".join(f"{why} ({n})" for why, n in top_reasons) + ".")
+        reasons = sorted(result.rejected.items(), key=lambda kv: -kv[1])
+        if wide or len(reasons) <= 3:
+            lines.append(f"Not valid, skipped: {skipped} candidates; the reasons: " +
+                         "; ".join(f"{why} ({n})" for why, n in reasons) + ".")
+        else:
+            lines.append(f"Not valid, skipped: {skipped} candidates; the most common reasons "
+                         f"(3 of {len(reasons)}; --wide gives every one): " +
+                         "; ".join(f"{why} ({n})" for why, n in reasons[:3]) + ".")
     if not wide:
         lines.append("--wide adds the worst stage, bubble, recompute and comm columns; --json "
                      "/ --csv give every row, bytes as int.")

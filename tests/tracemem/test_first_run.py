@@ -339,6 +339,14 @@ def test_progress_when_piped_is_plain_lines_at_most_every_few_seconds():
     # 6 and 10: under 5 s since it; 10.5: a line; 12: under 5 s since
     assert stream.getvalue() == ("tracemem: tracing pipeline stage 3/8\n"
                                  "tracemem: tracing pipeline stage 6/8\n")
+    # done(held=True) (fit's counts): the message held back at t 12 ends the log, once
+    progress.done(held=True)
+    progress.done(held=True)
+    assert stream.getvalue().splitlines()[2:] == ["tracemem: tracing pipeline stage 7/8"]
+    quick = _Progress(io.StringIO(), interval=5.0, clock=lambda: 1.0)
+    quick("fit: 1/2 layouts")
+    quick.done(held=True)  # nothing printed before: a quick run stays silent
+    assert quick.stream.getvalue() == ""
 
 
 def test_estimate_piped_says_it_works_and_names_the_files_it_wrote(capsys, tmp_path,

@@ -207,6 +207,16 @@ def test_layouts_the_job_refuses_are_rejected_not_fatal():
                                "no support for pipeline parallelism with CPU offloading": 1}
     with pytest.raises(TracememError, match="only for layers less than 4"):
         fit("deepseek-tiny", cpu_offloading_num_layers=4, **fields)
+    # the table says the 3 most common refusals, --wide every one
+    from dataclasses import replace
+
+    from tracemem.fit import format_fit
+
+    many = replace(result, rejected={"a": 5, "b": 4, "c": 3, "d": 1})
+    assert ("Not valid, skipped: 13 candidates; the most common reasons (3 of 4; --wide gives "
+            "every one): a (5); b (4); c (3).") in format_fit(many).splitlines()
+    assert ("Not valid, skipped: 13 candidates; the reasons: a (5); b (4); c (3); d (1).") in \
+        format_fit(many, wide=True).splitlines()
 
 
 def test_fit_cli_cpu_offloading_num_layers(capsys):

@@ -77,10 +77,13 @@ def test_fit_cli_takes_ranks_per_node_and_prints_a_table_of_100_columns(capsys):
     lines = out.splitlines()
     table = lines[lines.index(next(l for l in lines if l.startswith("#  "))):]
     table = table[:table.index(next(l for l in table if l.startswith("best")))]
-    assert table[0].split() == ["#", "TP", "PP", "(first/../last)", "M", "recompute", "ZeRO",
-                                "needs", "GiB", "headroom", "GiB", "cost"]
+    # one layout: every column but TP and PP said once above the table
+    assert table[0].split() == ["#", "TP", "PP", "(first/../last)", "needs", "GiB", "headroom",
+                                "GiB", "cost"]
     assert max(len(l) for l in table) <= 100
-    assert "Every layout below: SP -, CP 1, EP 1, ETP 1, VPP 1, b 1, schedule 1f1b." in lines
+    # (DP 2: M = 2 / (1 x 2) = 1); a longer line wraps at 100 columns
+    assert ("Every layout below: SP -, CP 1, EP 1, ETP 1, VPP 1, b 1, M 1, recompute none, "
+            "ZeRO 1, schedule 1f1b.") in lines
     assert "TP within a node of 1 ranks (--ranks-per-node)" in out
     assert "--tp 2 spans nodes of --ranks-per-node 1" in out
     assert main(args + ["--wide"]) == 0
