@@ -665,7 +665,9 @@ class Job:
 
     def _check_types(self) -> None:
         """The fields whose wrong type would otherwise end in a raw ``TypeError`` deeper down
-        (a list where a name goes, a string where a mapping goes).
+        (a list where a name goes, a string where a mapping goes). First, a field holding an
+        integer of another library (``numpy.int64``: any type with ``__index__``) is set to
+        the Python int it stands for.
 
         Raises:
             TracememError: the first such field, named as its flag, with what it takes.
@@ -673,7 +675,19 @@ class Job:
         def refuse(flag: str, value: Any, takes: str):
             raise TracememError(f"{flag} {_show(value)} is invalid; give {takes}")
 
+        import operator
+        from dataclasses import fields
+
         from modeling.kernels import KernelProfile
+
+        # an integer of another library (numpy.int64 from a sweep's array) is the int it
+        # stands for (operator.index: integers only, never a float or a bool)
+        for f in fields(self):
+            if not f.init:
+                continue
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, str)) and hasattr(type(value), "__index__"):
+                object.__setattr__(self, f.name, operator.index(value))
 
         if not isinstance(self.kernels, (str, KernelProfile)):
             refuse("--kernels", self.kernels, "a profile name as a string, such as "

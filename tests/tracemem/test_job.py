@@ -101,3 +101,20 @@ def test_the_estimate_carries_its_job_and_its_stages_run_alone():
     for one, rank in zip(traced, result.ranks):
         assert replay_class(job, one).peak_bytes == rank.peak_bytes
         assert allocator_row(job, one).reserved_peak_bytes == rank.reserved_peak_bytes
+
+
+def test_an_integer_of_another_library_is_taken_as_the_int_it_stands_for():
+    # a sweep's numpy integers (operator.index): the same Job as Python ints; a numpy float or
+    # bool is still refused by the field's own rule
+    import numpy as np
+
+    mine = Job.create("llama-tiny", world_size=np.int64(2), tp=np.int32(2),
+                      micro_batch_size=np.int64(1), seq_length=np.int64(64),
+                      num_microbatches=np.int64(2))
+    assert mine == Job.create("llama-tiny", world_size=2, tp=2, micro_batch_size=1,
+                              seq_length=64, num_microbatches=2)
+    assert type(mine.tp) is int and type(mine.seq_length) is int
+    for bad in (np.float64(2.0), np.bool_(True)):
+        with pytest.raises(TracememError, match="--tp .* must be a positive integer"):
+            Job.create("llama-tiny", world_size=2, tp=bad, micro_batch_size=1, seq_length=64,
+                       num_microbatches=2)
