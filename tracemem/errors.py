@@ -39,9 +39,15 @@ class FusedOptimizerError(TracememError):
     and the way out (``foreach=True``)."""
 
 
-def divisors_hint(n: int, limit: int = 8) -> str:
-    """The first ``limit`` divisors of ``n``, for "try ..." in an error message. The search
-    stops at 2^20, so a huge ``n`` cannot stall the message."""
+def divisors_hint(n: int, limit: int = 8, also: int | None = None) -> str:
+    """The first ``limit`` divisors of ``n``, for "try ..." in an error message; with
+    ``also`` (a positive int, such as the world size), only those that divide it too, where
+    there are any. The search stops at 2^20, so a huge ``n`` cannot stall the message."""
+    if isinstance(also, int) and not isinstance(also, bool) and also > 0 and n > 0:
+        both = [d for d in range(1, min(n, also, 2**20) + 1) if n % d == 0 and also % d == 0]
+        if both:
+            shown = both[:limit]
+            return ", ".join(map(str, shown)) + (", ..." if len(both) > limit else "")
     found = []
     for d in range(1, min(n, 2**20) + 1):
         if n % d == 0:

@@ -324,9 +324,10 @@ class ParallelConfig:
         tp = degrees.get("tp", 1)
         heads = getattr(model_cfg, "num_attention_heads", None)
         if type(tp) is int and tp > 0 and type(heads) is int and heads % tp:
-            # before the world size's multiples: no world size makes this TP valid
+            # before the world size's multiples: no world size makes this TP valid; the
+            # suggestions divide the world size too, where some do
             raise TracememError(f"--tp {tp} must divide num_attention_heads ({heads}); "
-                                f"try {divisors_hint(heads)}")
+                                f"try {divisors_hint(heads, also=world_size)}")
         probe = cls(world_size=world_size, **degrees)  # degree checks first
         if account_for_embedding_in_pipeline_split or account_for_loss_in_pipeline_split:
             layout = _accounted_layout(
@@ -349,7 +350,7 @@ class ParallelConfig:
         heads = model_cfg.num_attention_heads
         if heads % self.tp:
             raise TracememError(f"--tp {self.tp} must divide num_attention_heads ({heads}); "
-                                f"try {divisors_hint(heads)}")
+                                f"try {divisors_hint(heads, also=self.world_size)}")
         groups = model_cfg.num_key_value_heads
         if model_cfg.attention == "gqa" and groups % self.tp:
             # Megatron-Core d98e8a6 (attention.py Attention.__init__) also runs fewer query
