@@ -2,12 +2,16 @@
 one setting changed at a time and report each change's worst peak. Every figure is estimated
 (a full ``estimate`` of every stage), none is guessed or scaled.
 
-The changes tried, each on its own, at most seven (a bounded search, about one estimate each):
+The changes tried, each on its own, at most eight (a bounded search, about one estimate each):
 - ``--recompute selective`` (Megatron's default module, core_attn) when recompute is none;
 - ``--recompute full`` unless it is already full;
 - ``--micro-batch-size b/2`` with ``--num-microbatches 2M`` (the global batch b x M x DP kept)
   when b is even;
 - the next ZeRO stage, and ZeRO-3, when higher than the current one;
+- ``--optimizer-cpu-offload`` (Megatron's hybrid device optimizer, the job's
+  ``--optimizer-offload-fraction``, 1.0 by default: every optimizer state on the host), with
+  ``--use-precision-aware-optimizer`` where the job has not got it (Megatron's
+  ``validate_args`` asks for it), when the job does not offload already;
 - ``--ep 2 x EP`` (EDP halves; dense DP and the global batch unchanged), for an MoE model;
 - ``--pp 2 x PP`` with ``--num-microbatches 2M`` (DP halves, so 2M keeps the global batch)
   and a layout that the validator accepts (``tracemem.parallel.suggest_ends`` /
@@ -95,6 +99,15 @@ def _candidates(job) -> list[tuple[str, dict[str, Any], str, str | None]]:
     for zero in sorted({par.zero + 1, 3}):
         if par.zero < zero <= 3:  # ZeRO-3 is the last stage: nothing above it to try
             out.append((f"--zero {zero}", {"zero": zero}, "", None))
+    if not job.optimizer_cpu_offload:  # the Job refuses it where it is not modelled
+        flags, changes = "--optimizer-cpu-offload", {"optimizer_cpu_offload": True}
+        note = ""
+        if not par.precision_spec.use_precision_aware_optimizer:
+            flags += " --use-precision-aware-optimizer"
+            changes["use_precision_aware_optimizer"] = True
+            note = ("--optimizer-cpu-offload needs --use-precision-aware-optimizer (Megatron's "
+                    "validate_args)")
+        out.append((flags, changes, note, None))
     if job.config.is_moe:  # a dense model has no experts to spread
         out.append((f"--ep {2 * par.ep}", {"ep": 2 * par.ep}, "", None))
     pp, stages = 2 * par.pp, 2 * par.pp * par.vpp

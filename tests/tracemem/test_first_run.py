@@ -182,7 +182,8 @@ def test_what_fits_re_estimates_each_change(tiny, fitted):
     by_change = {c.change: c for c in candidates}
     assert set(by_change) == {
         "--recompute selective", "--recompute full",
-        "--micro-batch-size 1 --num-microbatches 8", "--zero 2", "--zero 3", "--ep 2",
+        "--micro-batch-size 1 --num-microbatches 8", "--zero 2", "--zero 3",
+        "--optimizer-cpu-offload --use-precision-aware-optimizer", "--ep 2",
         "--pp 4 --num-microbatches 8"}
     # each figure is that of a direct estimate with the change
     full = estimate("deepseek-tiny", **dict(kwargs, recompute="full"))
@@ -498,7 +499,7 @@ def test_the_what_fits_table_fits_100_columns(fitted):
                                     "fits"]
     assert max(len(line) for line in lines[start:end]) <= 100
     # every change tried is a row (a long one wraps at a space onto the next line)
-    assert sum(line.startswith("--") for line in lines[start + 2:end]) == 6
+    assert sum(line.startswith("--") for line in lines[start + 2:end]) == 7
 
 
 def test_peak_and_allocated_peak_say_what_each_is(tiny):
