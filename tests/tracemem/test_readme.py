@@ -71,6 +71,9 @@ def test_every_example_command_parses_as_written():
     assert len(commands) >= 2
     for cmd in commands:
         parser.parse_args(cmd[1:])  # exits 2 on a flag the CLI does not accept
+        for part in cmd:  # an @FILE of Megatron arguments is a file in the repository
+            if part.startswith("@"):
+                assert (ROOT / part[1:]).is_file(), part
 
 
 def test_the_synopsis_names_the_current_commands():
