@@ -98,9 +98,10 @@ RECIPES = {
             "linear_proj's input under blockwise, in bf16 (set_save_original_input, 2 B a "
             "value: the 16-bit container a 12-bit value takes, assumed); the 1x128 scales of "
             "an E5M6 tensor (4 B per 128 values) are not traced",
-            "SwiGLU inputs cached in FP8, outputs recomputed in backward (3.3.3): traced for "
-            "the routed experts (fp8_moe_act_cache); the shared expert's and the dense "
-            "layers' SwiGLU keep Megatron's bf16 input",
+            "SwiGLU inputs cached in FP8, outputs recomputed in backward (3.3.3, 'in MoE'): "
+            "traced for the routed and the shared experts (fp8_moe_act_cache); the three "
+            "dense layers' SwiGLU, outside the MoE, keep Megatron's bf16 input (assumed: the "
+            "paper names the MoE's)",
             "FP8 dispatch with BF16 combine (3.3.3): the all-to-all buffers traced in bf16",
         )),
 }

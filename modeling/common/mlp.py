@@ -71,6 +71,9 @@ class MLP(nn.Module):
         kern = self.kernels
         fc1 = ParamGroup(component, kind, 0 if split else None, ep)
         fc2 = ParamGroup(component, kind, 1 if split else None, ep)
+        # DeepSeek-V3's FP8 cache of the SwiGLU input, for a shared expert (set by
+        # modeling.common.moe.MoE.set_recompute; see _fp8_cached_swiglu)
+        self.fp8_act_cache = False
         self.w1 = Linear(dim, inter_dim, bias=bias, kernels=kern, group=fc1)  # gate projection
         self.w2 = Linear(inter_dim, dim, bias=bias, kernels=kern, group=fc2)  # down projection
         if gated:
@@ -95,6 +98,8 @@ class MLP(nn.Module):
             return reduce_scatter(out, self.sp, dim=1)  # post_forward_comm
         if not hasattr(self, "w3"):
             return self.w2(self._activate_plain(x, norm), "row", self.sp)
+        if self.fp8_act_cache and getattr(self.kernels, "fp8_recipe", "none") != "none":
+            return self._fp8_cached_swiglu(x, norm)
         fc1 = self.w1(x, "column", self.sp, norm, fused=(self.w3,))  # (b, s, 2 * inter)
         # MLP.forward rebinds intermediate_parallel to the activation's output: fc1's output
         # is gone before fc2 runs unless the activation saved it (it does not under no_grad:
@@ -102,6 +107,19 @@ class MLP(nn.Module):
         hidden = swiglu(fc1) if self.swiglu else self._activate(fc1)
         del fc1
         return self.w2(hidden, "row", self.sp)
+
+    def _fp8_cached_swiglu(self, x: Tensor, norm: nn.Module | None) -> Tensor:
+        """A shared expert with DeepSeek-V3's FP8 cache of the SwiGLU input
+        (``modeling.common.moe.fp8_cached_swiglu``; ``fp8_act_cache``, set by
+        ``MoE.set_recompute``): fc1, the cached SwiGLU, fc2 keeping its recomputed input."""
+        from modeling.common.moe import fp8_cached_swiglu
+
+        fc1 = self.w1(x, "column", self.sp, norm, fused=(self.w3,))  # (b, s, 2 * inter)
+        ckpt, hidden = fp8_cached_swiglu(self.kernels, fc1)
+        del fc1
+        out = self.w2(hidden, "row", self.sp)
+        ckpt.discard_output_and_register_recompute(out)
+        return out
 
     def _activate_plain(self, x: Tensor, norm: nn.Module | None) -> Tensor:
         """Megatron's non-gated ``MLP.forward``: fc1 (its bias returned apart), then the

@@ -149,6 +149,25 @@ def _megatron_experts(k: KernelProfile, x: Tensor, probs: Tensor, fc1: list[Tens
     return out if unpad is None else k.fp8_unpad(out, unpad)
 
 
+def fp8_cached_swiglu(k: KernelProfile, fc1: Tensor):
+    """A shared expert's SwiGLU under the megatron-te option ``fp8_moe_act_cache`` with
+    ``moe_act`` recompute and FP8 (DeepSeek-V3, arXiv 2412.19437 3.3.3: the inputs of the
+    SwiGLU "in MoE" cached in FP8 and its output recomputed in backward; the shared expert is
+    part of the MoE; not Megatron-LM's behaviour, whose moe_act recompute is the routed
+    experts' alone): ``fc1`` ``(..., 2 * inter)`` is cached in FP8 (``_fp8_cache``: 1x128
+    tiles, fp32 scales) and its bf16 storage freed; the SwiGLU, ``(..., inter)``, runs under
+    ``CheckpointWithoutOutput``. Returns ``(checkpoint, output)``: the caller's fc2 keeps the
+    output as its bf16 input (``save_original_input``, set by ``MoE.set_recompute``, as
+    ``TEGroupedMLP`` sets on the routed experts' fc2 under moe_act recompute) and then calls
+    ``checkpoint.discard_output_and_register_recompute(fc2's output)``: the output is dropped
+    and recomputed from the dequantised cache when fc2's output gradient arrives."""
+    ckpt = CheckpointWithoutOutput()
+    run = _FP8CachedActivation(k, True, "silu")
+    hidden = ckpt.checkpoint(run, fc1)
+    run.cache_and_drop(fc1)  # the FP8 cache made, fc1's bf16 output freed
+    return ckpt, hidden
+
+
 def _fp8_cache(k: KernelProfile, hidden: Tensor):
     """DeepSeek-V3's FP8 cache of the SwiGLU input (arXiv 2412.19437 3.3.3: "we cache the
     inputs of the SwiGLU operator and recompute its output in the backward pass. These
@@ -189,9 +208,11 @@ class _FP8CachedActivation:
         self.k, self.gated, self.activation = k, gated, activation
         self.cache: list[Tensor] | None = None
 
-    def __call__(self, y: Tensor, probs: Tensor) -> Tensor:
+    def __call__(self, y: Tensor, probs: Tensor | None = None) -> Tensor:
         if self.cache is not None:  # the recompute
             y = _Dequantized.apply(y, *self.cache)
+        if probs is None:  # the shared expert's SwiGLU (modeling.common.mlp): no weighting
+            return self.k.swiglu(y)
         return _weighted_activation(self.k, y, probs, self.gated, self.activation)
 
     def cache_and_drop(self, hidden: Tensor) -> None:
@@ -371,7 +392,10 @@ class MoE(nn.Module):
         routed experts' activation (``CheckpointWithoutOutput``, ``_megatron_experts``);
         ``shared_experts``, the shared experts whole (Megatron's reentrant
         ``tensor_parallel.checkpoint``, moe_layer.py ``MoELayer.shared_experts_compute``; under
-        another profile ``torch.utils.checkpoint``).
+        another profile ``torch.utils.checkpoint``). Under the megatron-te option
+        ``fp8_moe_act_cache`` (DeepSeek-V3's scheme), ``moe_act`` also caches a SwiGLU shared
+        expert's SwiGLU input in FP8 (``fp8_cached_swiglu``, with or without
+        ``--moe-shared-expert-overlap``), unless the shared experts are recomputed whole.
 
         Raises:
             TracememError: ``moe_act`` with sequential experts, ``shared_experts`` with
@@ -389,6 +413,16 @@ class MoE(nn.Module):
         if grouped:
             self.experts.recompute_act = "moe_act" in modules
         self.recompute_shared = "shared_experts" in modules
+        shared = self.shared_experts
+        if shared is not None and shared.swiglu:
+            # DeepSeek-V3's FP8 cache of the SwiGLU input "in MoE" (arXiv 2412.19437 3.3.3)
+            # covers the shared expert too (not Megatron's: its moe_act is TEGroupedMLP's
+            # alone); fc2 then keeps its recomputed bf16 input, as the routed experts' does
+            cache = ("moe_act" in modules and not self.recompute_shared
+                     and bool(shared.kernels.options.get("fp8_moe_act_cache")))
+            shared.fp8_act_cache = cache
+            if cache:
+                shared.w2.save_original_input = True
 
     def offload_experts(self) -> bool:
         """Whether the routed experts start the ``expert_fc1`` and ``moe_act`` offloading
@@ -473,8 +507,14 @@ class MoE(nn.Module):
         # token_dispatch: all-to-all of the tokens (an identity Node at EP 1, as Megatron's)
         dispatched = _collective(all_to_all, hidden_states, self.ep, rows // self.etp)
         if overlap:  # linear_fc1_forward_and_act, ordered after the tokens' all-to-all
-            shared_h = shared.kernels.swiglu(shared.w1(shared_in, fused=(shared.w3,)))
+            fc1_out = shared.w1(shared_in, fused=(shared.w3,))
             del shared_in
+            shared_ckpt = None
+            if shared.fp8_act_cache and getattr(shared.kernels, "fp8_recipe", "none") != "none":
+                shared_ckpt, shared_h = fp8_cached_swiglu(shared.kernels, fc1_out)
+            else:
+                shared_h = shared.kernels.swiglu(fc1_out)
+            del fc1_out
             if dispatched.grad_fn is not None:
                 shared_h.grad_fn._set_sequence_nr(dispatched.grad_fn._sequence_nr() - 1)
             shared_h = _BackwardStreamWait.apply(shared_h)
@@ -485,9 +525,11 @@ class MoE(nn.Module):
         out = _collective(all_to_all, out, self.ep, slots)  # token_combine
         if overlap:  # linear_fc2_forward, post_forward_comm (or reduce_from_tensor_model_...)
             _mark_first(out)
-            shared_out = _mark_first(_collective(reduce_scatter, shared.w2(shared_h),
-                                                 shared.sp, 1))
-            del shared_h
+            fc2_out = shared.w2(shared_h)
+            if shared_ckpt is not None:  # the SwiGLU's output dropped, recomputed in backward
+                shared_ckpt.discard_output_and_register_recompute(fc2_out)
+            shared_out = _mark_first(_collective(reduce_scatter, fc2_out, shared.sp, 1))
+            del shared_h, fc2_out
         y = k.unpermute(out, row_id_map, tokens).view(shape)  # (b, s_local, h)
         if overlap:
             if self.shared_expert_gate is not None:  # get_output

@@ -100,10 +100,11 @@ MEGATRON_TE_OPTIONS = {
     # DeepSeek-V3's own scheme (not a Megatron-LM flag): --recipe deepseek-v3
     "fp8_moe_act_cache": ((False, True), False,
                           "DeepSeek-V3 (arXiv 2412.19437 3.3.3, 'Low-Precision Storage'): with "
-                          "--recompute-modules moe_act under FP8, the routed experts' SwiGLU "
-                          "input (fc1's output) is cached in FP8, 1x128 tiles with fp32 "
-                          "scales, instead of bf16, and dequantised to recompute the SwiGLU in "
-                          "backward (modeling.common.moe._megatron_experts)"),
+                          "--recompute-modules moe_act under FP8, the routed and the shared "
+                          "experts' SwiGLU input (fc1's output) is cached in FP8, 1x128 tiles "
+                          "with fp32 scales, instead of bf16, and dequantised to recompute the "
+                          "SwiGLU in backward (modeling.common.moe._megatron_experts, "
+                          "fp8_cached_swiglu)"),
 }
 
 
