@@ -1506,7 +1506,10 @@ def _run_fit(args: argparse.Namespace) -> str:
         return format_fit_json(result)
     if args.csv:
         return format_fit_csv(result)
-    return format_fit(result, top=args.top, wide=args.wide)
+    # the settings every layout shares, as typed: the best layout's estimate command (or its
+    # Megatron arguments' changes) runs the same job
+    settings = _typed_settings(args, "fit", ("every layout's settings",), ("--ranks-per-node",))
+    return format_fit(result, top=args.top, wide=args.wide, settings=" ".join(settings))
 
 
 def _run_inventory(args: argparse.Namespace) -> str:
@@ -1847,6 +1850,30 @@ def _options(parser: argparse.ArgumentParser, command: str) -> set[str]:
     """The option strings of ``command``'s flags."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return {opt for action in sub.choices[command]._actions for opt in action.option_strings}
+
+
+def _typed_settings(args: argparse.Namespace, command: str, groups: tuple[str, ...],
+                    extra: tuple[str, ...] = ()) -> list[str]:
+    """The flags typed for ``command`` (``args.given``) in its argument groups titled
+    ``groups`` and the options ``extra``, with their values as parsed (a switch alone), in
+    the parser's order: what another command needs to run the same settings (fit's ``best:``
+    line)."""
+    import shlex
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    given = getattr(args, "given", set())
+    out: list[str] = []
+    for group in sub.choices[command]._action_groups:
+        for action in group._group_actions:
+            if action.dest not in given or not action.option_strings or not (
+                    group.title in groups or action.option_strings[0] in extra):
+                continue
+            if action.nargs == 0:  # store_true / store_false: the switch typed
+                out.append(action.option_strings[0])
+            else:
+                out += [action.option_strings[0],
+                        shlex.quote(str(getattr(args, action.dest)))]
+    return out
 
 
 def _typed_dests(parser: argparse.ArgumentParser, command: str, argv: list[str]) -> set[str]:

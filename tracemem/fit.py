@@ -970,11 +970,23 @@ def _shown_columns(rows: list[FitRow], wide: bool) -> tuple[tuple[str, ...], str
         if constant else "")
 
 
-def format_fit(result: FitResult, top: int = 20, wide: bool = False) -> str:
+def _hbm_flag(hbm_bytes: int) -> str:
+    """``--hbm`` as its bytes allow exactly: whole GiB, whole GB (10^9) or bytes."""
+    if hbm_bytes % 2**30 == 0:
+        return f"{hbm_bytes // 2**30}GiB"
+    if hbm_bytes % 10**9 == 0:
+        return f"{hbm_bytes // 10**9}GB"
+    return f"{hbm_bytes}B"
+
+
+def format_fit(result: FitResult, top: int = 20, wide: bool = False, settings: str = "") -> str:
     """The fitting layouts ranked by cost (the first ``top``), the closest that do not fit
     and by how much, and a summary of the run (GiB = 2^30 B). The default tables fit 100
     columns: the layout columns in which the rows differ (the others said once), needs,
-    headroom and cost; ``wide``: every column (the worst stage, bubble, recompute, comm)."""
+    headroom and cost; ``wide``: every column (the worst stage, bubble, recompute, comm).
+    ``settings``: the ``tracemem estimate`` flags of the settings every layout shares (the
+    command line's, ``tracemem fit``'s "every layout's settings"), added to the best layout's
+    command so that it runs the same job."""
     from tracemem.report import plain_table
 
     hbm = _gib(result.hbm_bytes)
@@ -1001,11 +1013,12 @@ def format_fit(result: FitResult, top: int = 20, wide: bool = False) -> str:
 
             lines.append("best, as changes to the Megatron-LM arguments: " + (
                 megatron_flag_changes(shown[0].layout.job_fields(), job=result.job)
-                or "none"))
+                or "none") + (f"; with tracemem's flags {settings}" if settings else ""))
         else:
             lines.append(f"best: tracemem estimate --model {result.model} --world-size "
                          f"{result.world_size} --seq-length {result.seq_length} "
-                         f"{shown[0].flags} --hbm {result.hbm_bytes / 2**30:g}GiB")
+                         f"{shown[0].flags} " + (f"{settings} " if settings else "")
+                         + f"--hbm {_hbm_flag(result.hbm_bytes)}")
     else:
         lines.append(f"No layout in the search space fits in {hbm} GiB.")
     if result.closest:

@@ -7,6 +7,7 @@ megatron/core/num_microbatches_calculator.py), the fit of a tiny model against d
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -232,3 +233,24 @@ def test_fit_cli_cpu_offloading_num_layers(capsys):
     assert [r["pp"] for r in data["rows"]] == [1]
     assert data["rejected"] == {"--cpu-offloading-num-layers with --pp 2: currently there is "
                                 "no support for pipeline parallelism with CPU offloading": 1}
+
+
+def test_the_best_line_runs_the_same_job(capsys):
+    # every layout's settings as typed (the eager kernels, 1 GiB outside PyTorch) join the
+    # best layout's estimate command, and an HBM of whole GB stays exact
+    args = ["fit", "--model", "deepseek-tiny", "--world-size", "1", "--hbm", "80GB",
+            "--seq-length", "128", "--global-batch-size", "1", "--tp", "1", "--ep", "1",
+            "--pp", "1", "--recompute", "none", "--zero", "1", "--kernels", "eager",
+            "--non-pytorch-memory", "1GiB", "--workers", "1", "--quiet"]
+    assert main(args) == 0
+    best = next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("best: "))
+    command = shlex.split(best.removeprefix("best: "))
+    assert command[-6:] == ["--kernels", "eager", "--non-pytorch-memory", "1GiB", "--hbm",
+                            "80GB"]
+    assert main(args + ["--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert main(command[1:] + ["--json", "--quiet"]) == 0
+    rank = json.loads(capsys.readouterr().out)["ranks"][0]
+    assert rank["peak_bytes"] == row["peak_bytes"]
+    assert rank["reserved_peak_bytes"] + 2**30 == row["needed_bytes"]
