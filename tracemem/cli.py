@@ -716,7 +716,7 @@ def _flag_fields(args: argparse.Namespace) -> dict:
         fields.update(seq_length=args.seq_length, global_batch_size=args.global_batch_size,
                       attention=args.attention, precision=args.precision,
                       alloc_conf=args.alloc_conf, non_pytorch_memory=args.non_pytorch_memory,
-                      cpu_offloading_num_layers=args.cpu_offloading_num_layers)
+                      cpu_offloading_num_layers=args.cpu_offloading_num_layers, gpu=args.gpu)
     if hasattr(args, "tp"):
         fields.update(world_size=args.world_size, **_layout_kwargs(args))
     if hasattr(args, "kernels"):
@@ -1355,6 +1355,7 @@ def _megatron_lines(arguments: list[str]) -> str:
 
 def _add_fit_parser(sub) -> None:
     """``tracemem fit``: the search-space flags take comma-separated values."""
+    from tracemem.job import GPUS
     from tracemem.fit import (
         DEFAULT_CLOSEST,
         DEFAULT_RANKS_PER_NODE,
@@ -1433,6 +1434,10 @@ def _add_fit_parser(sub) -> None:
                            "peak (default 512MiB, as tracemem estimate)")
     step.add_argument("--alloc-conf", default=None, metavar="SETTINGS",
                       help="PYTORCH_CUDA_ALLOC_CONF settings of the simulated allocator")
+    step.add_argument("--gpu", choices=sorted(GPUS), default=None, type=str.upper,
+                      help="the GPU kind, as tracemem estimate's: the allocations below the "
+                           "dispatcher that depend on it (tracemem/workspaces.py) and the FP8 "
+                           "recipes' architecture; default: none counted")
     step.add_argument("--cpu-offloading-num-layers", type=int, default=0, metavar="N",
                       help="Megatron-LM's flag, as tracemem estimate's: Transformer Engine's "
                            "CPU offloading of the first N decoder layers' saved tensors; "
@@ -1496,7 +1501,7 @@ def _run_fit(args: argparse.Namespace) -> str:
                      attention=args.attention, kernels=args.kernels,
                      kernel_options=_kernel_options(args), precision=args.precision,
                      alloc_conf=args.alloc_conf,
-                     cpu_offloading_num_layers=args.cpu_offloading_num_layers,
+                     cpu_offloading_num_layers=args.cpu_offloading_num_layers, gpu=args.gpu,
                      origin="flags", **run, **nodes,
                      **({} if args.non_pytorch_memory is None else
                         {"non_pytorch_memory": args.non_pytorch_memory}))

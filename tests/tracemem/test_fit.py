@@ -254,3 +254,18 @@ def test_the_best_line_runs_the_same_job(capsys):
     rank = json.loads(capsys.readouterr().out)["ranks"][0]
     assert rank["peak_bytes"] == row["peak_bytes"]
     assert rank["reserved_peak_bytes"] + 2**30 == row["needed_bytes"]
+
+
+def test_fit_takes_gpu_as_estimate_does(capsys):
+    # mxfp8 runs on Blackwell only (TE _compute_mxfp8_support): the error says --gpu B200,
+    # which fit now takes
+    args = ["fit", "--model", "llama-tiny", "--world-size", "1", "--hbm", "40GiB",
+            "--seq-length", "64", "--global-batch-size", "1", "--tp", "1", "--pp", "1",
+            "--recompute", "none", "--zero", "1", "--workers", "1", "--quiet",
+            "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"]
+    assert main(args) == 2
+    assert "give --gpu B200" in capsys.readouterr().err
+    assert main(args + ["--gpu", "b200"]) == 0
+    best = next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("best: "))
+    assert "--fp8-format e4m3 --fp8-recipe mxfp8 --gpu B200 --hbm 40GiB" in best
