@@ -666,8 +666,9 @@ class Job:
     def _check_types(self) -> None:
         """The fields whose wrong type would otherwise end in a raw ``TypeError`` deeper down
         (a list where a name goes, a string where a mapping goes). First, a field holding an
-        integer of another library (``numpy.int64``: any type with ``__index__``) is set to
-        the Python int it stands for.
+        integer of another library (``numpy.int64``: any type with ``__index__``), or a list or
+        tuple of them, is set to the Python int(s) it stands for, and a numpy bool scalar to
+        the bool.
 
         Raises:
             TracememError: the first such field, named as its flag, with what it takes.
@@ -681,13 +682,26 @@ class Job:
         from modeling.kernels import KernelProfile
 
         # an integer of another library (numpy.int64 from a sweep's array) is the int it
-        # stands for (operator.index: integers only, never a float or a bool)
+        # stands for (operator.index: integers only, never a float), in a list or tuple too
+        # (pp_layout); a numpy bool scalar is the bool it stands for
+        def plain(value):
+            if not isinstance(value, (int, str)) and hasattr(type(value), "__index__"):
+                return operator.index(value)
+            if getattr(value, "ndim", None) == 0 and getattr(
+                    getattr(value, "dtype", None), "kind", None) == "b":
+                return bool(value)
+            return value
+
         for f in fields(self):
             if not f.init:
                 continue
             value = getattr(self, f.name)
-            if not isinstance(value, (int, str)) and hasattr(type(value), "__index__"):
-                object.__setattr__(self, f.name, operator.index(value))
+            if isinstance(value, (list, tuple)):
+                new = type(value)(plain(v) for v in value)
+            else:
+                new = plain(value)
+            if new is not value:
+                object.__setattr__(self, f.name, new)
 
         if not isinstance(self.kernels, (str, KernelProfile)):
             refuse("--kernels", self.kernels, "a profile name as a string, such as "

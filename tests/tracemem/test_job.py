@@ -118,3 +118,9 @@ def test_an_integer_of_another_library_is_taken_as_the_int_it_stands_for():
         with pytest.raises(TracememError, match="--tp .* must be a positive integer"):
             Job.create("llama-tiny", world_size=2, tp=bad, micro_batch_size=1, seq_length=64,
                        num_microbatches=2)
+    # in a layout's list too, and a numpy bool where a switch goes
+    staged = Job.create("llama-tiny", world_size=4, tp=np.int64(2), sp=np.bool_(True),
+                        pp=2, pp_layout=[np.int64(2), np.int64(2)], micro_batch_size=1,
+                        seq_length=64, num_microbatches=2)
+    assert staged.sp is True and staged.parallel.pp_layout == (2, 2)
+    assert all(type(n) is int for n in staged.pp_layout)
