@@ -72,6 +72,10 @@ def test_tp_must_divide_the_vocabulary_under_the_paper_plan_and_the_hidden_size(
     # the suggestions divide the world size too: 96 = 2^5 x 3, so not 64 or 128
     (dict(world_size=96, tp=3, pp=16, ep=2, pp_layout=(4,) * 15 + (1,)),
      r"--tp 3 must divide num_attention_heads \(128\); try 1, 2, 4, 8, 16, 32$"),
+    # more stages than layers is said before the world size (a world size suggested for
+    # this PP would only lead to it)
+    (dict(world_size=96, tp=1, pp=64), r"pp \* vpp = 64 stages is more than the model's 61 "
+                                      r"layers; lower --pp or --vpp so that pp \* vpp <= 61$"),
     (dict(world_size=1008, tp=1, pp=16, ep=7, pp_layout=(4,) * 15 + (1,)),
      r"--ep 7 must divide n_routed_experts \(256\); try 1, 2, 4, 8, 16"),
     (dict(world_size=1024, tp=2, pp=16, ep=1, etp=2, pp_layout=(4,) * 15 + (1,)),
