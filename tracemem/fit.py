@@ -902,6 +902,9 @@ def search_space(**values: str | None) -> SearchSpace:
         parsed: list[Any] = []
         for item in items:
             if kind is int:
+                if item.startswith("-") and item[1:].isascii() and item[1:].isdigit():
+                    raise TracememError(f"{flag} value {item!r} must be a positive integer; "
+                                        f"give comma-separated positive integers, e.g. 1,2,4")
                 if not item.isascii() or not item.isdigit():
                     raise TracememError(f"{flag} value {item!r} is not an integer; give "
                                         f"comma-separated integers, e.g. 1,2,4")
@@ -993,7 +996,8 @@ def format_fit(result: FitResult, top: int = 20, wide: bool = False, settings: s
     fitting = result.fitting
     shown = fitting[:top]
     columns, constant = _shown_columns(shown + list(result.closest), wide)
-    lines = [f"{result.model} on {result.world_size} GPUs of {hbm} GiB, s={result.seq_length}, "
+    gpus = "GPU" if result.world_size == 1 else "GPUs"
+    lines = [f"{result.model} on {result.world_size} {gpus} of {hbm} GiB, s={result.seq_length}, "
              f"global batch {result.global_batch_size} sequences: {len(result.rows)} valid "
              f"layout{'s' * (len(result.rows) != 1)} estimated, {len(fitting)} fit", ""]
     if constant:
@@ -1061,10 +1065,12 @@ def format_fit(result: FitResult, top: int = 20, wide: bool = False, settings: s
         skipped = sum(result.rejected.values())
         reasons = sorted(result.rejected.items(), key=lambda kv: -kv[1])
         if wide or len(reasons) <= 3:
-            lines.append(f"Not valid, skipped: {skipped} candidates; the reasons: " +
+            lines.append(f"Not valid, skipped: {skipped} candidate{'s' * (skipped != 1)}; the "
+                         f"reason{'s' * (len(reasons) != 1)}: " +
                          "; ".join(f"{why} ({n})" for why, n in reasons) + ".")
         else:
-            lines.append(f"Not valid, skipped: {skipped} candidates; the most common reasons "
+            lines.append(f"Not valid, skipped: {skipped} candidate{'s' * (skipped != 1)}; the "
+                         f"most common reasons "
                          f"(3 of {len(reasons)}; --wide gives every one): " +
                          "; ".join(f"{why} ({n})" for why, n in reasons[:3]) + ".")
     if not wide:

@@ -175,6 +175,7 @@ def test_fit_cli(capsys):
 
 @pytest.mark.parametrize("extra, message", [
     (["--tp", "1,two"], "--tp value 'two' is not an integer"),
+    (["--tp=-1"], "--tp value '-1' must be a positive integer"),
     (["--hbm", "lots"], "--hbm 'lots' is invalid"),
     (["--tp", "3"], "no valid layout of deepseek-tiny on 4 GPUs"),
     (["--address", "auto"], "--address applies to --engine ray"),
