@@ -29,14 +29,22 @@ def _kept(cache: bool):
     fc2 = [torch.empty(64, 32, device="meta", dtype=torch.bfloat16, requires_grad=True)]
     x = torch.empty(512, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
     probs = torch.empty(512, 1, device="meta", dtype=torch.float32, requires_grad=True)
+    return _kept_after(lambda: _megatron_experts(k, x, probs, fc1, fc2, recompute_act=True,
+                                                 counts=[512]), fc1, fc2, x, probs)
+
+
+def _kept_after(forward, *external):
+    """(bytes, dtype, shape) of every storage alive after ``forward()`` under the tracer
+    (``external``: the inputs and weights, not counted), then its backward run (the
+    recompute from the cache)."""
     tracer = MemoryTracer(rounding=None, devices={"meta"})
-    tracer.track_external(fc1, fc2, x, probs)
+    tracer.track_external(*external)
     with tracer:
-        out = _megatron_experts(k, x, probs, fc1, fc2, recompute_act=True, counts=[512])
+        out = forward()
         kept = sorted((i.nbytes, str(i.dtype).removeprefix("torch."), tuple(i.shape))
                       for i in tracer.live_at(len(tracer.events) - 1)
                       if i.phase is not Phase.EXTERNAL)
-        out.sum().backward()  # the recompute runs from the cache
+        out.sum().backward()
     return kept
 
 
@@ -76,15 +84,7 @@ def _shared_kept(cache: bool):
     mlp.fp8_act_cache = cache  # as MoE.set_recompute sets it under moe_act
     mlp.w2.save_original_input = cache
     x = torch.empty(1, 512, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    tracer = MemoryTracer(rounding=None, devices={"meta"})
-    tracer.track_external(*mlp.parameters(), x)
-    with tracer:
-        out = mlp(x)
-        kept = sorted((i.nbytes, str(i.dtype).removeprefix("torch."), tuple(i.shape))
-                      for i in tracer.live_at(len(tracer.events) - 1)
-                      if i.phase is not Phase.EXTERNAL)
-        out.sum().backward()  # the SwiGLU recomputed from the cache
-    return kept
+    return _kept_after(lambda: mlp(x), *mlp.parameters(), x)
 
 
 def test_the_shared_experts_swiglu_input_is_cached_too():
