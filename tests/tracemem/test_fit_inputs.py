@@ -14,7 +14,7 @@ from tracemem.fit import enumerate_layouts, fit, search_space
 
 @pytest.mark.parametrize("text, message", [
     ("1,,2", r"--tp '1,,2' has an empty value"),
-    ("-2", r"--tp value '-2' is not an integer"),
+    ("-2", r"--tp value '-2' must be a positive integer"),
     ("0", r"--tp value 0 is invalid; give positive integers"),
 ])
 def test_bad_lists(text, message):
