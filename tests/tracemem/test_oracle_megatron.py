@@ -391,6 +391,68 @@ def test_megatron_cores_schedules_run_tracemems_step_order(schedule_results):
     for r in schedule_results:
         assert r.unexplained == [], r.case.name
         assert r.megatron_steps == r.tracemem_steps
+        # without VPP the bytes after every step are compared too
+        assert (r.tracemem_bytes is None) == (r.case.vpp > 1), r.case.name
+        if r.tracemem_bytes is not None:
+            assert len(r.tracemem_bytes) == len(r.live_bytes) == len(r.residue)
+
+
+HIDDEN = 16 * 64 * 2  # one [s, b, h] bf16 pipeline tensor of deepseek-tiny at b 1, s 16
+
+
+def test_the_schedule_residue_by_hand_on_the_last_stage(schedule_results):
+    # PP 2, rank 1: layers 2 and 3, both MoE (8 experts), d_rope 8; after 1F1 (one
+    # backward done, one microbatch in flight)
+    last = schedule_results[1]
+    assert last.case == schedule_oracle.ScheduleCase(pp=2, num_microbatches=4, rank=1)
+    assert last.megatron_steps[2] == "1F1"
+    want = {
+        "RoPE inv_freq [d_r / 2] fp32, per MLA layer": 2 * 4 * 4,
+        "dispatcher probs [T, E] fp32 and routing map [T, E] bool, per MoE layer":
+            2 * 16 * 8 * (4 + 1),
+        "labels (and, first stage, token ids) int64 [b, s] per microbatch in flight": -16 * 8,
+        "total_num_tokens int32 [] and the MoE aux-loss scale fp32 [1]": 4 + 4,
+        "each finished microbatch's loss fp32 [] in forward_data_store (last stage)": 4,
+        "the last backward's output stand-in (bf16 [1]; the loss's fp32 [1], last stage)": 4,
+        "the last backward's received input [s, b, h] bf16 and its .grad": 2 * HIDDEN,
+    }
+    assert last.residue[2] == want
+    assert last.live_bytes[2] - last.tracemem_bytes[2] == sum(want.values()) == 5_296
+    # after 1B1 the row-id maps [16, 17] int32 of both layers are kept too, and the
+    # previous input gradient is still assigned while backward_step runs
+    rows = last.residue[3]
+    assert rows["dispatcher row-id map [T, 2E + 1] int32 after its backward, per MoE "
+                "layer"] == 2 * 16 * 17 * 4
+    assert rows["the previous backward's input gradient [s, b, h] bf16 while backward_step "
+                "runs"] == HIDDEN
+
+
+def test_the_schedule_residue_by_hand_on_the_first_stage(schedule_results):
+    # PP 4, rank 0: layer 0 only (dense); after 0F4, the first forward after a backward
+    first = schedule_results[2]
+    assert first.megatron_steps[5] == "0F4"
+    assert first.residue[5] == {
+        "RoPE inv_freq [d_r / 2] fp32, per MLA layer": 4 * 4,
+        "labels (and, first stage, token ids) int64 [b, s] per microbatch in flight":
+            -4 * 2 * 16 * 8,
+        "total_num_tokens int32 [] and the MoE aux-loss scale fp32 [1]": 8,
+        "the output [s, b, h] bf16 still whole when forward_step returns, less its stand-in":
+            HIDDEN - 2,
+        "the last backward's output stand-in (bf16 [1]; the loss's fp32 [1], last stage)": 2,
+        "output_tensor_grad [s, b, h] bf16, the last received output gradient": HIDDEN,
+    }
+    assert first.live_bytes[5] - first.tracemem_bytes[5] == 3_096
+
+
+def test_a_residue_row_removed_fails_the_schedule_bytes(monkeypatch):
+    rows = tuple(r for r in schedule_oracle.SCHEDULE_RESIDUE if "dispatcher probs" not in
+                 r.tensor)
+    monkeypatch.setattr(schedule_oracle, "SCHEDULE_RESIDUE", rows)
+    text, code = run_command(cases=(), static_cases=(),
+                             schedule_cases=schedule_oracle.SCHEDULE_CASES[1:2])
+    assert code == 1
+    assert ("schedule PP2 M4, rank 1: after 1F0 Megatron-Core holds 104,732 B, tracemem "
+            "103,540 B: +1,192 B; the residue explains -88 B") in text
 
 
 def test_1f1b_by_hand_and_the_outputs_deallocated(schedule_results):

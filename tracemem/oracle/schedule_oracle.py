@@ -1,5 +1,6 @@
-"""Megatron-Core's own pipeline schedules (issue 23, item 3, a first part): the order of one
-rank's forward and backward steps, held against ``tracemem.schedules``.
+"""Megatron-Core's own pipeline schedules (issue 23, item 3): the order of one rank's forward
+and backward steps, held against ``tracemem.schedules``, and (without VPP) the bytes alive
+after each step, held against tracemem's replay with an itemised residue.
 
 For one layout (``ScheduleCase``: PP, VPP, the number of microbatches M, the rank) the rank's
 model chunks (deepseek-tiny with 4 layers, ``oracle_model_config(4)``, b = 1, s = 16) are built
@@ -13,27 +14,41 @@ backend refuses for meta tensors) post nothing, the receive buffers being alloca
 ``P2PCommunicator._communicate`` itself as on a GPU, and ``torch.cuda.synchronize`` (after
 the batched ops) is a no-op.
 
+Each model chunk is wrapped in Megatron-Core's ``DistributedDataParallel``
+(``grad_reduce_in_fp32``, ``use_distributed_optimizer``: Megatron-LM's defaults with
+``--use-distributed-optimizer`` and bf16), as Megatron-LM trains: weight gradients go into its
+preallocated grad buffer (made before the step, external like the parameters), not into
+``.grad`` tensors kept across microbatches.
+
 Recorded per step, by wrapping ``schedules.forward_step`` (its ``vp_stage`` and
 ``current_microbatch``) and ``schedules.backward_step`` (matched to its forward by the output
 tensor): the step in ``tracemem.schedules`` notation (virtual stage = chunk x PP + rank, "F" or
-"B", microbatch), the microbatches in flight after it, the activation bytes alive after it
-(every storage the schedule made, parameters and their gradients excluded) and the bytes
+"B", microbatch), the microbatches in flight after it, the bytes alive when it returns (every
+storage the schedule made; parameters and DDP's buffers are external) and the bytes
 ``deallocate_output_tensor`` frees (the output's ``.data`` replaced by a 1-element tensor once
-sent: ``config.deallocate_pipeline_outputs``, Megatron-LM's default). Compared: the step
-order and the in-flight peak with ``tracemem.schedules.schedule``; the bytes are reported,
-not compared (tracemem's replay of them is issue 23 item 3's second part, not built).
+sent: ``config.deallocate_pipeline_outputs``, Megatron-LM's default).
+
+Compared: the step order and the in-flight peak with ``tracemem.schedules.schedule``; and,
+without VPP, the bytes alive after every step with tracemem's replay of the same job
+(``tracemem.estimator.replay_events`` over the rank's traced segments, the optimizer step
+excluded, plus the RoPE frequencies ``tracemem.workspaces`` keeps from the first forward on):
+Megatron-Core minus tracemem must equal the sum of ``SCHEDULE_RESIDUE``'s rows at that step,
+to the byte. With VPP the bytes are reported, not compared (the interleaved schedule's
+per-chunk lists hold other references; not itemised yet).
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 from unittest import mock
 
 import torch
 
-__all__ = ["ScheduleCase", "SCHEDULE_CASES", "ScheduleResult", "run_schedule_case",
-           "run_schedule_cases", "format_results", "results_json"]
+__all__ = ["ScheduleCase", "SCHEDULE_CASES", "ScheduleResult", "SCHEDULE_RESIDUE",
+           "ScheduleResidueRow", "step_residue", "run_schedule_case", "run_schedule_cases",
+           "format_results", "results_json"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,9 @@ class ScheduleResult:
     tracemem_steps: list[str]
     live_bytes: list[int] = field(default_factory=list)  # Megatron-Core, after each step
     deallocated_bytes: int = 0  # freed by deallocate_output_tensor
+    # tracemem's replay after each step (RoPE's cache included); None: not compared (VPP)
+    tracemem_bytes: list[int] | None = None
+    residue: list[dict[str, int]] = field(default_factory=list)  # per step, row -> bytes
 
     @staticmethod
     def inflight(steps: list[str]) -> list[int]:
@@ -96,7 +114,184 @@ class ScheduleResult:
         if max(m, default=0) != max(t, default=0):
             out.append(f"schedule {self.case.name}: in-flight peak {max(m, default=0)} / "
                        f"{max(t, default=0)}")
+        if self.tracemem_bytes is not None:
+            for step, a, b, rows in zip(self.megatron_steps, self.live_bytes,
+                                        self.tracemem_bytes, self.residue):
+                if a - b != sum(rows.values()):
+                    out.append(f"schedule {self.case.name}: after {step} Megatron-Core holds "
+                               f"{a:,} B, tracemem {b:,} B: {a - b:+,} B; the residue "
+                               f"explains {sum(rows.values()):+,} B")
         return out
+
+
+@dataclass(frozen=True)
+class _StepDims:
+    """What a ``SCHEDULE_RESIDUE`` row reads at one step of one rank (VPP 1): the step's kind
+    ("F" / "B"); the rank's place (``first``: embedding, ``last``: output layer and loss);
+    ``backwards``, the backward steps done so far (this one included); ``prior_backward``, a
+    backward step ran before this one; ``inflight``, forwards minus backwards after it;
+    ``last_forward_done``, the newest forward's microbatch has had its backward; sizes:
+    ``hidden`` the bytes of one [s, b, h] bf16 pipeline tensor, ``tokens`` b x s, ``layers``
+    and ``moe_layers`` on the rank, ``experts`` routed, ``rope`` the RoPE head dim."""
+
+    kind: str
+    first: bool
+    last: bool
+    backwards: int
+    prior_backward: bool
+    inflight: int
+    last_forward_done: bool
+    hidden: int
+    tokens: int
+    layers: int
+    moe_layers: int
+    experts: int
+    rope: int
+
+
+@dataclass(frozen=True)
+class ScheduleResidueRow:
+    """One row of ``SCHEDULE_RESIDUE``: bytes Megatron-Core holds after a step and tracemem's
+    replay does not (negative: the reverse), as a function of the step's ``_StepDims``;
+    ``reason`` cites the source (Megatron-Core 0.16.1 unless named) that makes it."""
+
+    tensor: str
+    bytes: Callable[[_StepDims], int]
+    reason: str
+
+
+_MCORE = "megatron-core 0.16.1 megatron/core/"
+
+SCHEDULE_RESIDUE: tuple[ScheduleResidueRow, ...] = (
+    ScheduleResidueRow(
+        "RoPE inv_freq [d_r / 2] fp32, per MLA layer",
+        lambda d: 4 * (d.rope // 2) * d.layers,
+        _MCORE + "models/common/embeddings/rotary_pos_embedding.py RotaryEmbedding.__init__ "
+        "makes self.inv_freq a plain attribute (not a buffer), one per MLA layer's "
+        "RotaryEmbedding; on a GPU it exists from construction, the tracer first sees it at "
+        "the first forward; tracemem's static memory does not count it (16 B a layer here)"),
+    ScheduleResidueRow(
+        "dispatcher probs [T, E] fp32 and routing map [T, E] bool, per MoE layer",
+        lambda d: d.moe_layers * d.tokens * d.experts * (4 + 1),
+        _MCORE + "transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher."
+        "dispatch_preprocess keeps self.probs and self.routing_map until the layer's next "
+        "forward replaces them; tracemem frees them as temporaries of the router (a tracemem "
+        "gap: tracemem.workspaces names it)"),
+    ScheduleResidueRow(
+        "dispatcher row-id map [T, 2E + 1] int32 after its backward, per MoE layer",
+        lambda d: d.moe_layers * d.tokens * (2 * d.experts + 1) * 4 if d.last_forward_done
+        else 0,
+        _MCORE + "transformer/moe/token_dispatcher.py dispatch_preprocess keeps the fused "
+        "permute's row-id map as self.reversed_local_input_permutation_mapping until the "
+        "layer's next forward; tracemem keeps it as an activation until the microbatch's "
+        "backward only (a tracemem gap)"),
+    ScheduleResidueRow(
+        "labels (and, first stage, token ids) int64 [b, s] per microbatch in flight",
+        lambda d: -d.inflight * 8 * d.tokens * (2 if d.first else 1),
+        "tracemem.estimator._trace_fb makes each microbatch's labels, and the first stage's "
+        "token ids, in its forward and drops them after its backward; this oracle's data "
+        "iterator hands Megatron-Core one external tensor (the setup, not a fault)"),
+    ScheduleResidueRow(
+        "total_num_tokens int32 [] and the MoE aux-loss scale fp32 [1]",
+        lambda d: 4 + 4,
+        _MCORE + "pipeline_parallel/schedules.py forward_backward_pipelining_without_"
+        "interleaving: total_num_tokens = torch.zeros([], dtype=torch.int); "
+        "forward_step_calc_loss: MoEAuxLossAutoScaler.set_loss_scale (transformer/moe/"
+        "moe_utils.py keeps it as a class attribute)"),
+    ScheduleResidueRow(
+        "each finished microbatch's loss fp32 [] in forward_data_store (last stage)",
+        lambda d: 4 * d.backwards if d.last else 0,
+        _MCORE + "pipeline_parallel/schedules.py forward_step_calc_loss appends loss_reduced "
+        "(this oracle's loss_func: loss.detach(), the loss's storage) for the whole step; "
+        "tracemem's loss dies with its backward"),
+    ScheduleResidueRow(
+        "the output [s, b, h] bf16 still whole when forward_step returns, less its stand-in",
+        lambda d: d.hidden - 2 if d.kind == "F" and not d.last else 0,
+        _MCORE + "pipeline_parallel/schedules.py: the 1F1B loop calls "
+        "deallocate_output_tensor after the send, once forward_step has returned; tracemem's "
+        "forward segment ends with the output replaced (modeling.parallel.pp.send_forward)"),
+    ScheduleResidueRow(
+        "the last backward's output stand-in (bf16 [1]; the loss's fp32 [1], last stage)",
+        lambda d: (4 if d.last else 2) if d.backwards else 0,
+        _MCORE + "pipeline_parallel/schedules.py: output_tensor = output_tensors.pop(0) holds "
+        "the output backward_step consumed until the next pop; tracemem frees it with the "
+        "backward"),
+    ScheduleResidueRow(
+        "output_tensor_grad [s, b, h] bf16, the last received output gradient",
+        lambda d: d.hidden if d.backwards and not d.last else 0,
+        _MCORE + "pipeline_parallel/schedules.py: the local output_tensor_grad keeps the "
+        "gradient the last backward consumed until the next receive (send_forward_recv_"
+        "backward / recv_backward) replaces it; tracemem frees it with the backward"),
+    ScheduleResidueRow(
+        "the last backward's received input [s, b, h] bf16 and its .grad",
+        lambda d: 2 * d.hidden if d.backwards and not d.first else 0,
+        _MCORE + "pipeline_parallel/schedules.py: the popped output (row above) keeps its "
+        "autograd graph (backward frees saved tensors, not Nodes); the graph's AccumulateGrad "
+        "Node for the received input, a leaf that requires grad (pipeline_parallel/"
+        "p2p_communication.py create_tensor_recv_prev), holds it as .variable, and with it "
+        "its .grad, the input gradient sent back; tracemem frees both with the backward"),
+    ScheduleResidueRow(
+        "the previous backward's input gradient [s, b, h] bf16 while backward_step runs",
+        lambda d: d.hidden if d.kind == "B" and d.prior_backward and not d.first else 0,
+        _MCORE + "pipeline_parallel/schedules.py: input_tensor_grad = backward_step(...): the "
+        "local still holds the previous input gradient until backward_step returns"),
+)
+
+
+def step_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[str, int]]:
+    """``SCHEDULE_RESIDUE`` evaluated after each of ``steps`` (a VPP-1 rank of ``case``,
+    deepseek-tiny cut to ``cfg``'s layers, b = 1, s = 16): per step, row -> bytes (rows of 0
+    omitted)."""
+    from tracemem.parallel import ParallelConfig
+
+    par = ParallelConfig.create(cfg, world_size=case.pp, pp=case.pp)
+    layers = [i for chunk in par.layers_of_stage(case.rank) for i in chunk]
+    out, inflight, done, newest, backwards = [], 0, set(), None, 0
+    for step in steps:
+        kind = "F" if "F" in step else "B"
+        mb = int(step.split(kind)[1])
+        prior = backwards > 0
+        if kind == "F":
+            inflight, newest = inflight + 1, mb
+        else:
+            inflight, backwards = inflight - 1, backwards + 1
+            done.add(mb)
+        d = _StepDims(kind, case.rank == 0, case.rank == case.pp - 1, backwards, prior,
+                      inflight, newest in done, 16 * cfg.hidden_size * 2, 16, len(layers),
+                      sum(cfg.is_moe_layer(i) for i in layers), cfg.num_routed_experts,
+                      cfg.qk_rope_head_dim)
+        out.append({row.tensor: n for row in SCHEDULE_RESIDUE if (n := row.bytes(d))})
+    return out
+
+
+def _tracemem_bytes(case: ScheduleCase, cfg) -> list[int]:
+    """tracemem's bytes alive after each step of ``case``'s rank (the optimizer step
+    excluded): ``replay_events`` over the rank's traced segments (megatron-te kernels,
+    Megatron-Core's default loss, no rounding), plus the RoPE frequencies
+    ``tracemem.workspaces`` keeps from the first forward on."""
+    from tracemem.estimator import TraceCache, _placement, rank_classes, replay_events, \
+        trace_classes
+    from tracemem.job import Job
+
+    job = Job(model=cfg, world_size=case.pp, pp=case.pp, vpp=case.vpp, micro_batch_size=1,
+              seq_length=16, num_microbatches=case.num_microbatches, schedule=case.schedule,
+              kernels="megatron-te", kernel_options={"cross_entropy_fusion": "none"},
+              rounding=None, gpu="H100")
+    traced = next(t for t in trace_classes(job, rank_classes(job), TraceCache())
+                  if t.unit.stage == case.rank)
+    where = _placement(job)
+    rope = sum(w.nbytes for w in traced.static.workspaces
+               if "rotary_pos_embedding.py" in w.source and w.first_use == "forward")
+    steps = [s for s in traced.steps if s.kind != "O"]
+    alive, cur, i = [0] * len(steps), 0, 0
+    for ev in replay_events(steps, case.pp, traced.segments,
+                            lambda v: where.chunk_index(case.rank, v)):
+        while i < ev.step_index:
+            alive[i], i = cur, i + 1
+        cur += ev.nbytes if ev.action == "alloc" else -ev.nbytes
+    alive[i:] = [cur] * (len(steps) - i)
+    forwarded = [any(s.kind == "F" for s in steps[:k + 1]) for k in range(len(steps))]
+    return [a + (rope if f else 0) for a, f in zip(alive, forwarded)]
 
 
 def _megatron(case: ScheduleCase, cfg) -> tuple[list[str], list[int], int]:
@@ -110,6 +305,8 @@ def _megatron(case: ScheduleCase, cfg) -> tuple[list[str], list[int], int]:
     patches.require_megatron()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig)
         from megatron.core.pipeline_parallel import p2p_communication, schedules
 
         with patches.fake_process_groups(world_size=case.pp, rank=case.rank, pp=case.pp,
@@ -120,8 +317,14 @@ def _megatron(case: ScheduleCase, cfg) -> tuple[list[str], list[int], int]:
             config = _megatron_config(cfg, OracleCase(), **extra)
             patches.set_routing(Balanced())
             chunks = []
-            for vp in range(case.vpp):
-                chunks.append(gpt_model_chunk(config, cfg, vp, case.vpp))
+            for vp in range(case.vpp):  # as megatron/training/training.py get_model wraps
+                # each chunk (bucketing off after the first)
+                ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                    use_distributed_optimizer=True)
+                chunks.append(DistributedDataParallel(config, ddp,
+                                                      gpt_model_chunk(config, cfg, vp, case.vpp),
+                                                      disable_bucketing=vp > 0))
+            buffers = [b for c in chunks for b in c.buffers + c.expert_parallel_buffers]
             tokens = torch.zeros((1, 16), dtype=torch.long, device="meta")
 
             def data():
@@ -178,7 +381,11 @@ def _megatron(case: ScheduleCase, cfg) -> tuple[list[str], list[int], int]:
             run = (schedules.forward_backward_pipelining_with_interleaving if case.vpp > 1
                    else schedules.forward_backward_pipelining_without_interleaving)
             config.deallocate_pipeline_outputs = True  # Megatron-LM's default (arguments.py)
-            tracer.track_external(chunks, [tokens])
+            # parameters and DDP's buffers exist before the step (DDP's own `buffers`
+            # attribute hides Module.buffers: track the wrapped modules)
+            tracer.track_external([c.module for c in chunks], [tokens],
+                                  [b.grad_data for b in buffers],
+                                  [b.param_data for b in buffers if b.param_data is not None])
             with mock.patch.object(p2p_communication, "_batched_p2p_ops",
                                    lambda **kwargs: []), \
                     mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None), \
@@ -207,7 +414,10 @@ def run_schedule_case(case: ScheduleCase, cfg=None) -> ScheduleResult:
     steps, live, freed = _megatron(case, cfg)
     ours = [str(s) for s in schedule(case.schedule, case.pp, case.vpp,
                                      case.num_microbatches)[case.rank]]
-    return ScheduleResult(case, steps, ours, live, freed)
+    if case.vpp > 1:
+        return ScheduleResult(case, steps, ours, live, freed)
+    return ScheduleResult(case, steps, ours, live, freed, _tracemem_bytes(case, cfg),
+                          step_residue(case, cfg, steps))
 
 
 def run_schedule_cases(cases=None) -> list[ScheduleResult]:
@@ -217,35 +427,56 @@ def run_schedule_cases(cases=None) -> list[ScheduleResult]:
 
 def format_results(results: list[ScheduleResult]) -> str:
     """One row per case: the steps (one string when both sides agree), the in-flight peak,
-    Megatron-Core's peak of live activation bytes between steps and what
-    ``deallocate_output_tensor`` freed."""
+    the bytes alive after Megatron-Core's busiest step on both sides (tracemem's replay, and
+    the residue there; "-" where the bytes are not compared) and what
+    ``deallocate_output_tensor`` freed; then the residue rows with their bytes at that step."""
     from tabulate import tabulate
 
-    rows = []
+    rows, residue_rows = [], []
     for r in results:
         same = r.megatron_steps == r.tracemem_steps
         steps = " ".join(r.megatron_steps) if same else (
             " ".join(r.megatron_steps) + "  /  " + " ".join(r.tracemem_steps))
         peaks = (max(r.inflight(r.megatron_steps), default=0),
                  max(r.inflight(r.tracemem_steps), default=0))
+        busiest = max(range(len(r.live_bytes)), key=r.live_bytes.__getitem__, default=None)
+        ours = rest = "-"
+        if r.tracemem_bytes is not None and busiest is not None:
+            ours = f"{r.tracemem_bytes[busiest]:,}"
+            rest = f"{sum(r.residue[busiest].values()):+,}"
+            residue_rows += [[r.case.name, r.megatron_steps[busiest], tensor, f"{n:+,}"]
+                             for tensor, n in r.residue[busiest].items()]
         rows.append([r.case.name, peaks[0] if peaks[0] == peaks[1] else f"{peaks[0]} / "
-                     f"{peaks[1]}", f"{max(r.live_bytes, default=0):,}",
+                     f"{peaks[1]}", f"{max(r.live_bytes, default=0):,}", ours, rest,
                      f"{r.deallocated_bytes:,}", steps])
-    table = tabulate(rows, headers=["schedule: layout, rank", "in flight", "live B (Megatron)",
-                                    "deallocated B", "steps (Megatron-Core / tracemem)"],
+    table = tabulate(rows, headers=["schedule: layout, rank", "in flight", "Megatron B",
+                                    "tracemem B", "residue B", "deallocated B",
+                                    "steps (Megatron-Core / tracemem)"],
                      disable_numparse=True, colalign=("left", "right", "right", "right",
-                                                      "left"))
+                                                      "right", "right", "left"))
     bad = [line for r in results for line in r.unexplained]
     verdict = ([f"FAIL: {len(bad)} schedule difference(s):", *(f"- {b}" for b in bad)] if bad
-               else ["OK: every rank runs its steps in tracemem's order."])
+               else ["OK: every rank runs its steps in tracemem's order, and without VPP "
+                     "holds tracemem's bytes plus the residue after every step."])
     legend = ("Megatron-Core's forward_backward_pipelining_without_interleaving / "
-              "_with_interleaving on meta, one rank, deepseek-tiny with 4 layers, b=1, s=16; "
-              "steps in tracemem.schedules notation (virtual stage, F/B, microbatch).")
-    return "\n".join([table, "", legend, *verdict])
+              "_with_interleaving on meta (each chunk in its DistributedDataParallel), one "
+              "rank, deepseek-tiny with 4 layers, b=1, s=16; steps in tracemem.schedules "
+              "notation (virtual stage, F/B, microbatch); bytes alive after Megatron-Core's "
+              "busiest step, parameters and DDP buffers excluded (tracemem: its replay plus "
+              "RoPE's cache); with VPP the bytes are not compared.")
+    parts = [table, "", legend]
+    if residue_rows:
+        parts += ["", tabulate(residue_rows, headers=["schedule: layout, rank", "at",
+                                                      "residue (Megatron-Core - tracemem)",
+                                                      "B"],
+                               disable_numparse=True,
+                               colalign=("left", "left", "left", "right"))]
+    return "\n".join(parts + ["", *verdict])
 
 
 def results_json(results: list[ScheduleResult]) -> list[dict]:
     return [{"layout": r.case.name, "megatron_core": r.megatron_steps,
              "tracemem": r.tracemem_steps, "live_bytes": r.live_bytes,
+             "tracemem_bytes": r.tracemem_bytes, "residue": r.residue,
              "deallocated_bytes": r.deallocated_bytes, "unexplained": r.unexplained}
             for r in results]
