@@ -918,8 +918,8 @@ def run_command(json_out: bool = False, cases=None, static_cases=None,
     ``tracemem.oracle.static_oracle.STATIC_CASES``) and the schedule cases
     ``schedule_cases`` (default ``tracemem.oracle.schedule_oracle.SCHEDULE_CASES``); returns
     the text (the tables, or JSON with ``json_out``) and the exit code: 0 when every
-    difference is in the residue tables (``RESIDUE``, ``static_oracle.STATIC_RESIDUE``; the
-    schedules have none), 1 otherwise.
+    difference is in the residue tables (``RESIDUE``, ``static_oracle.STATIC_RESIDUE``,
+    ``schedule_oracle.SCHEDULE_RESIDUE``), 1 otherwise.
 
     Raises:
         TracememError: megatron-core missing or not the pinned version.
