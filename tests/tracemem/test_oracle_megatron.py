@@ -391,10 +391,8 @@ def test_megatron_cores_schedules_run_tracemems_step_order(schedule_results):
     for r in schedule_results:
         assert r.unexplained == [], r.case.name
         assert r.megatron_steps == r.tracemem_steps
-        # without VPP the bytes after every step are compared too
-        assert (r.tracemem_bytes is None) == (r.case.vpp > 1), r.case.name
-        if r.tracemem_bytes is not None:
-            assert len(r.tracemem_bytes) == len(r.live_bytes) == len(r.residue)
+        # the bytes after every step are compared too
+        assert len(r.tracemem_bytes) == len(r.live_bytes) == len(r.residue), r.case.name
 
 
 HIDDEN = 16 * 64 * 2  # one [s, b, h] bf16 pipeline tensor of deepseek-tiny at b 1, s 16
@@ -444,6 +442,35 @@ def test_the_schedule_residue_by_hand_on_the_first_stage(schedule_results):
     assert first.live_bytes[5] - first.tracemem_bytes[5] == 3_096
 
 
+def test_the_interleaved_residue_by_hand(schedule_results):
+    # PP 2, VPP 2, M 4, rank 1: chunk 0 is virtual stage 1 (layer 1, MoE), chunk 1 virtual
+    # stage 3 (layer 3, MoE, the loss). Warm-up (PP - rank - 1) x 2 + (VPP - 1) x PP = 2
+    # forwards (1F0, 1F1), then the steady step 3F0 + 3B0. After 3B0 the schedule still holds
+    # chunk 0's inputs of microbatches 0 and 1 (in flight: tracemem holds them too), their
+    # deallocated outputs (in flight), and 3B0's input (the local input_tensor and chunk 1's
+    # TransformerBlock.input_tensor) with its .grad; microbatch 0's loss stays in
+    # forward_data_store
+    r = schedule_results[5]
+    assert r.case == schedule_oracle.ScheduleCase(pp=2, vpp=2, num_microbatches=4, rank=1)
+    assert r.megatron_steps[:4] == ["1F0", "1F1", "3F0", "3B0"]
+    refs = schedule_oracle.INTERLEAVED_REFERENCES
+    assert r.residue[3] == {
+        "RoPE inv_freq [d_r / 2] fp32, per MLA layer": 2 * 4 * 4,
+        "dispatcher probs [T, E] fp32 and routing map [T, E] bool, per MoE layer":
+            2 * 16 * 8 * 5,
+        # chunk 1's newest forward (microbatch 0) has had its backward; chunk 0's has not
+        "dispatcher row-id map [T, 2E + 1] int32 after its backward, per MoE layer":
+            16 * 17 * 4,
+        "labels (and, first stage, token ids) int64 [b, s] per microbatch in flight": -2 * 128,
+        "total_num_tokens int32 [] and the MoE aux-loss scale fp32 [1]": 8,
+        refs[0]: HIDDEN, refs[1]: HIDDEN, refs[5]: 4,
+    }
+    assert r.live_bytes[3] - r.tracemem_bytes[3] == 6_252
+    # before chunk 1's first forward tracemem already counts its layer's RoPE cache
+    assert r.residue[0]["RoPE's cache [s, 1, 1, d_r] fp32 of layers whose chunk has not run a "
+                        "forward yet"] == -16 * 8 * 4
+
+
 def test_a_residue_row_removed_fails_the_schedule_bytes(monkeypatch):
     rows = tuple(r for r in schedule_oracle.SCHEDULE_RESIDUE if "dispatcher probs" not in
                  r.tensor)
@@ -475,3 +502,19 @@ def test_a_planted_schedule_difference_fails_the_command(monkeypatch):
     monkeypatch.setattr(schedules, "schedule", gpipe)
     text, code = run_command(cases=(), static_cases=(), schedule_cases=case)
     assert code == 1 and "schedule PP2 M4, rank 0: step 2" in text
+
+
+def test_a_wrong_interleaved_model_fails_the_schedule_bytes(monkeypatch):
+    # the hand model without the input gradients it holds: VPP's rank 1 must then fail
+    real = schedule_oracle.interleaved_references
+    gradients = schedule_oracle.INTERLEAVED_REFERENCES[1]
+
+    def without_gradients(*args):
+        return [(step, {k: v for k, v in rows.items() if k != gradients})
+                for step, rows in real(*args)]
+    monkeypatch.setattr(schedule_oracle, "interleaved_references", without_gradients)
+    text, code = run_command(cases=(), static_cases=(),
+                             schedule_cases=schedule_oracle.SCHEDULE_CASES[5:])
+    assert code == 1
+    assert ("schedule PP2 VPP2 M4, rank 1: after 3B0 Megatron-Core holds 89,232 B, tracemem "
+            "82,980 B: +6,252 B; the residue explains +4,204 B") in text

@@ -1,6 +1,6 @@
 """Megatron-Core's own pipeline schedules (issue 23, item 3): the order of one rank's forward
-and backward steps, held against ``tracemem.schedules``, and (without VPP) the bytes alive
-after each step, held against tracemem's replay with an itemised residue.
+and backward steps, held against ``tracemem.schedules``, and the bytes alive after each step,
+held against tracemem's replay with an itemised residue.
 
 For one layout (``ScheduleCase``: PP, VPP, the number of microbatches M, the rank) the rank's
 model chunks (deepseek-tiny with 4 layers, ``oracle_model_config(4)``, b = 1, s = 16) are built
@@ -28,13 +28,14 @@ storage the schedule made; parameters and DDP's buffers are external) and the by
 ``deallocate_output_tensor`` frees (the output's ``.data`` replaced by a 1-element tensor once
 sent: ``config.deallocate_pipeline_outputs``, Megatron-LM's default).
 
-Compared: the step order and the in-flight peak with ``tracemem.schedules.schedule``; and,
-without VPP, the bytes alive after every step with tracemem's replay of the same job
+Compared: the step order and the in-flight peak with ``tracemem.schedules.schedule``; and the
+bytes alive after every step with tracemem's replay of the same job
 (``tracemem.estimator.replay_events`` over the rank's traced segments, the optimizer step
 excluded, plus the RoPE frequencies ``tracemem.workspaces`` keeps from the first forward on):
-Megatron-Core minus tracemem must equal the sum of ``SCHEDULE_RESIDUE``'s rows at that step,
-to the byte. With VPP the bytes are reported, not compared (the interleaved schedule's
-per-chunk lists hold other references; not itemised yet).
+Megatron-Core minus tracemem must equal the residue at that step, to the byte
+(``step_residue``: ``SCHEDULE_RESIDUE``'s rows for 1F1B; for the interleaved schedule, the same
+rows per model chunk and ``interleaved_references``, a hand model of the pipeline tensors that
+schedule's lists and locals hold).
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ from unittest import mock
 import torch
 
 __all__ = ["ScheduleCase", "SCHEDULE_CASES", "ScheduleResult", "SCHEDULE_RESIDUE",
-           "ScheduleResidueRow", "step_residue", "run_schedule_case", "run_schedule_cases",
-           "format_results", "results_json"]
+           "ScheduleResidueRow", "INTERLEAVED_REFERENCES", "step_residue",
+           "interleaved_references", "interleaved_residue", "run_schedule_case",
+           "run_schedule_cases", "format_results", "results_json"]
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class ScheduleResult:
     tracemem_steps: list[str]
     live_bytes: list[int] = field(default_factory=list)  # Megatron-Core, after each step
     deallocated_bytes: int = 0  # freed by deallocate_output_tensor
-    # tracemem's replay after each step (RoPE's cache included); None: not compared (VPP)
+    # tracemem's replay after each step (RoPE's cache included)
     tracemem_bytes: list[int] | None = None
     residue: list[dict[str, int]] = field(default_factory=list)  # per step, row -> bytes
 
@@ -239,11 +241,13 @@ SCHEDULE_RESIDUE: tuple[ScheduleResidueRow, ...] = (
 
 
 def step_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[str, int]]:
-    """``SCHEDULE_RESIDUE`` evaluated after each of ``steps`` (a VPP-1 rank of ``case``,
-    deepseek-tiny cut to ``cfg``'s layers, b = 1, s = 16): per step, row -> bytes (rows of 0
-    omitted)."""
+    """The residue after each of ``steps`` (a rank of ``case``, deepseek-tiny cut to
+    ``cfg``'s layers, b = 1, s = 16): per step, row -> bytes (rows of 0 omitted). VPP 1:
+    ``SCHEDULE_RESIDUE``'s rows; VPP > 1: ``interleaved_residue``."""
     from tracemem.parallel import ParallelConfig
 
+    if case.vpp > 1:
+        return interleaved_residue(case, cfg, steps)
     par = ParallelConfig.create(cfg, world_size=case.pp, pp=case.pp)
     layers = [i for chunk in par.layers_of_stage(case.rank) for i in chunk]
     out, inflight, done, newest, backwards = [], 0, set(), None, 0
@@ -261,6 +265,268 @@ def step_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[str, in
                       sum(cfg.is_moe_layer(i) for i in layers), cfg.num_routed_experts,
                       cfg.qk_rope_head_dim)
         out.append({row.tensor: n for row in SCHEDULE_RESIDUE if (n := row.bytes(d))})
+    return out
+
+
+class _Ref:
+    """A pipeline tensor of ``interleaved_references``' model: "in" a received input, "ig"
+    its gradient, "og" a received output gradient, "out" a forward's output (whole until
+    deallocated; its autograd graph's AccumulateGrad Node holds ``inp``, the input)."""
+
+    def __init__(self, kind: str, chunk: int | None = None, mb: int | None = None):
+        self.kind, self.chunk, self.mb = kind, chunk, mb
+        self.deallocated = False
+        self.grad: _Ref | None = None
+        self.inp: _Ref | None = None
+
+
+# the kinds of interleaved_references' rows, in order
+INTERLEAVED_REFERENCES = (
+    "received inputs [s, b, h] bf16 the schedule holds that tracemem does not (received "
+    "before their forward, or kept after their backward)",
+    "input gradients [s, b, h] bf16 (the .grad of a kept input, the local input_tensor_grad)",
+    "received output gradients [s, b, h] bf16 the schedule holds that tracemem does not",
+    "outputs [s, b, h] bf16 still whole (deallocated after the send), less their stand-in",
+    "finished microbatches' output stand-ins (bf16 [1])",
+    "finished microbatches' losses fp32 [] in forward_data_store (last stage)",
+)
+
+
+def interleaved_references(pp: int, vpp: int, num_microbatches: int, rank: int,
+                           hidden: int) -> list[tuple[str, dict[str, int]]]:
+    """A hand model of what megatron-core 0.16.1's ``forward_backward_pipelining_with_
+    interleaving`` (no p2p overlap, ``microbatch_group_size_per_vp_stage`` = PP, training)
+    references at each of its forward and backward steps, less what tracemem's replay holds
+    then: per step (its ``tracemem.schedules`` name), ``INTERLEAVED_REFERENCES`` kind ->
+    bytes (``hidden``: one [s, b, h] pipeline tensor).
+
+    Read from ``pipeline_parallel/schedules.py``: ``get_schedule_table``,
+    ``get_pp_rank_microbatches`` (warm-up count), ``recv_tensor_from_previous_stage``,
+    ``forward_step_helper_preprocess`` (inputs taken from ``input_tensors[chunk]`` at
+    ``microbatch - num_released_microbatches``, kept there until the backward pops them;
+    ``forward_step`` sets the chunk's ``TransformerBlock.input_tensor``),
+    ``backward_step_helper_preprocess`` (the backward pops input, output and output gradient
+    into its locals), the warm-up, steady and cool-down loops (each communication receives the
+    next forward's input and the next backward's output gradient into the schedule's locals
+    and lists before they run; the steady step's forward output is held by the wrapper through
+    the backward and deallocated after the send; a local keeps the last input gradient sent).
+    A step is counted when ``forward_step`` / ``backward_step`` returns, as the oracle records
+    it. A tensor is alive while any of those references it, an input also while its output's
+    autograd graph does (its AccumulateGrad Node), its ``.grad`` while it is. tracemem's
+    replay holds, for each microbatch between its forward and its backward, the received input
+    (not on virtual stage 0) and the output's stand-in (not on the last virtual stage), or the
+    loss (the last)."""
+    group = pp
+    table: list[tuple[int, int]] = []  # (microbatch, chunk) per virtual microbatch
+    for lo in range(0, num_microbatches, group):
+        hi = num_microbatches if lo + group >= num_microbatches else lo + group
+        table += [(j, c) for c in range(vpp) for j in range(lo, hi)]
+    total = num_microbatches * vpp
+    warmup = (pp - rank - 1) * 2 + (vpp - 1) * group
+    all_warmup = warmup >= total
+    warmup = min(warmup, total)
+    steady = total - warmup
+    first_rank, last_rank = rank == 0, rank == pp - 1
+
+    def chunk(k: int, forward: bool) -> int:
+        c = table[k % total][1]
+        return c if forward else vpp - c - 1
+
+    def released(k: int, c: int) -> int:
+        return 0 if k < warmup else [x[1] for x in table[:k - warmup]].count(vpp - c - 1)
+
+    def first_v(c: int) -> bool:
+        return c == 0 and first_rank
+
+    def last_v(c: int) -> bool:
+        return c == vpp - 1 and last_rank
+
+    def receives(k: int, forward: bool) -> tuple[bool, int]:
+        leading = first_rank if forward else last_rank
+        if not leading:
+            return True, chunk(k + 1, forward)
+        nxt = chunk(k + 1 if k < pp - 1 else k - (pp - 1), forward)
+        recv = k >= pp - 1 and nxt != (vpp - 1 if forward else 0)
+        return recv, nxt + 1 if forward else nxt - 1
+
+    inputs: list[list] = [[] for _ in range(vpp)]
+    outputs: list[list] = [[] for _ in range(vpp)]
+    grads: list[list] = [[] for _ in range(vpp)]
+    local: dict[str, _Ref | None] = dict(input_tensor=None, output_tensor=None,
+                                         output_tensor_grad=None, input_tensor_grad=None)
+    block: list[_Ref | None] = [None] * vpp
+    inflight: set[tuple[int, int]] = set()
+    losses = [0]
+    out: list[tuple[str, dict[str, int]]] = []
+
+    def record(step: str, held: list) -> None:
+        roots = [x for lists in (inputs, outputs, grads) for lst in lists for x in lst]
+        roots += list(local.values()) + block + held
+        alive: dict[int, _Ref] = {}
+        stack = [x for x in roots if x is not None]
+        while stack:
+            t = stack.pop()
+            if id(t) in alive:
+                continue
+            alive[id(t)] = t
+            stack += [x for x in (t.grad, t.inp) if x is not None]
+        rows = dict.fromkeys(INTERLEAVED_REFERENCES, 0)
+        k_in, k_ig, k_og, k_whole, k_stand, k_loss = INTERLEAVED_REFERENCES
+        for t in alive.values():
+            flying = (t.chunk, t.mb) in inflight
+            if t.kind == "in" and not flying:
+                rows[k_in] += hidden
+            elif t.kind == "ig":
+                rows[k_ig] += hidden
+            elif t.kind == "og":
+                rows[k_og] += hidden
+            elif t.kind == "out" and not last_v(t.chunk):
+                if not t.deallocated:
+                    rows[k_whole] += hidden - (2 if flying else 0)
+                elif not flying:
+                    rows[k_stand] += 2
+        rows[k_loss] = 4 * losses[0]
+        out.append((step, {k: v for k, v in rows.items() if v}))
+
+    def forward(k: int, held: tuple = ()) -> _Ref:
+        c, j = chunk(k, True), table[k][0]
+        if first_v(c) and len(inputs[c]) == len(outputs[c]):
+            inputs[c].append(None)
+        x = inputs[c][j - released(k, c)]
+        if x is not None:
+            x.chunk, x.mb = c, j
+        block[c] = x
+        o = _Ref("out", c, j)
+        o.inp = x
+        inflight.add((c, j))
+        record(f"{c * pp + rank}F{j}", [x, o, *held])
+        outputs[c].append(o)
+        return o
+
+    def backward(k: int, held: tuple = ()) -> _Ref | None:
+        c = chunk(k, False)
+        if last_v(c) and not grads[c]:
+            grads[c].append(None)
+        x, o, g = inputs[c].pop(0), outputs[c].pop(0), grads[c].pop(0)
+        if x is not None:
+            x.grad = _Ref("ig", c, o.mb)
+        inflight.discard((c, o.mb))
+        losses[0] += last_v(c)
+        record(f"{c * pp + rank}B{o.mb}", [x, o, g, *held])
+        return x.grad if x is not None else None
+
+    inputs[0].append(None if first_v(0) else _Ref("in"))
+    for k in range(warmup):
+        recv, nxt = receives(k, True)
+        recv = recv and k != total - 1
+        o = forward(k)
+        local["output_tensor"] = None if last_v(chunk(k, True)) else o
+        if k == warmup - 1 and not all_warmup:
+            local["input_tensor_grad"] = None
+            local["input_tensor"] = _Ref("in") if recv else None
+            local["output_tensor_grad"] = None if last_rank else _Ref("og")
+            grads[vpp - 1].append(local["output_tensor_grad"])
+        else:
+            local["input_tensor"] = _Ref("in") if recv else None
+        if recv:
+            inputs[nxt].append(local["input_tensor"])
+        if local["output_tensor"] is not None:
+            local["output_tensor"].deallocated = True
+    for k in range(steady):
+        fk = k + warmup
+        o = forward(fk)
+        ig = backward(k, held=(o,))  # the wrapper holds the forward's output
+        local["output_tensor"] = None if last_v(chunk(fk, True)) else o
+        local["input_tensor_grad"] = None if first_v(chunk(k, False)) else ig
+        recv_prev, nxt_f = receives(fk, True)
+        recv_next, nxt_b = receives(k, False)
+        recv_prev = recv_prev and k != steady - 1
+        local["input_tensor"] = _Ref("in") if recv_prev else None
+        local["output_tensor_grad"] = _Ref("og") if recv_next else None
+        if local["output_tensor"] is not None:
+            local["output_tensor"].deallocated = True
+        if recv_prev:
+            inputs[nxt_f].append(local["input_tensor"])
+        if recv_next:
+            grads[nxt_b].append(local["output_tensor_grad"])
+    if all_warmup:
+        grads[vpp - 1].append(_Ref("og"))
+    for k in range(steady, total):
+        c = chunk(k, False)
+        recv, nxt = receives(k, False)
+        recv = recv and k != total - 1
+        ig = backward(k)
+        local["input_tensor_grad"] = None if first_v(c) else ig
+        local["output_tensor_grad"] = _Ref("og") if recv else None
+        if recv:
+            grads[nxt].append(local["output_tensor_grad"])
+    return out
+
+
+def interleaved_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[str, int]]:
+    """The residue of an interleaved (VPP > 1) rank after each of ``steps``: per model chunk,
+    ``SCHEDULE_RESIDUE``'s RoPE ``inv_freq``, dispatcher and row-id-map rows once the chunk
+    has run a forward, tracemem's labels and token ids per microbatch in flight, the schedule
+    scalars, RoPE's cache of the chunks whose first forward is still to come (negative:
+    tracemem counts the rank's from its first forward, Megatron-Core's ``lru_cache`` fills per
+    layer), and ``interleaved_references``' pipeline tensors.
+
+    Raises:
+        TracememError: ``steps`` is not the schedule ``interleaved_references`` models.
+    """
+    from tracemem.errors import TracememError
+    from tracemem.parallel import ParallelConfig
+    from tracemem.schedules import placement
+
+    par = ParallelConfig.create(cfg, world_size=case.pp, pp=case.pp, vpp=case.vpp)
+    chunks = par.layers_of_stage(case.rank, placement(case.schedule, case.pp, case.vpp,
+                                                      case.num_microbatches))
+    hidden = 16 * cfg.hidden_size * 2
+    tokens, experts, rope = 16, cfg.num_routed_experts, cfg.qk_rope_head_dim
+    refs = interleaved_references(case.pp, case.vpp, case.num_microbatches, case.rank,
+                                  hidden)
+    if [name for name, _ in refs] != list(steps):
+        raise TracememError(f"schedule {case.name}: Megatron-Core's steps are not the "
+                            f"interleaved schedule the residue models")
+    rows_by_name = {r.tensor: r for r in SCHEDULE_RESIDUE}
+    inv_freq, probs, row_id, labels, scalars = (
+        "RoPE inv_freq [d_r / 2] fp32, per MLA layer",
+        "dispatcher probs [T, E] fp32 and routing map [T, E] bool, per MoE layer",
+        "dispatcher row-id map [T, 2E + 1] int32 after its backward, per MoE layer",
+        "labels (and, first stage, token ids) int64 [b, s] per microbatch in flight",
+        "total_num_tokens int32 [] and the MoE aux-loss scale fp32 [1]")
+    assert {inv_freq, probs, row_id, labels, scalars} <= set(rows_by_name)
+    ran: set[int] = set()
+    inflight: set[tuple[int, int]] = set()
+    newest: dict[int, int] = {}
+    done: set[tuple[int, int]] = set()
+    out = []
+    for step, schedule_refs in refs:
+        kind = "F" if "F" in step else "B"
+        stage, mb = map(int, step.split(kind))
+        c = stage // case.pp
+        if kind == "F":
+            ran.add(c)
+            inflight.add((c, mb))
+            newest[c] = mb
+        else:
+            inflight.discard((c, mb))
+            done.add((c, mb))
+        moe = {x: sum(cfg.is_moe_layer(i) for i in chunks[x]) for x in ran}
+        rows = {
+            inv_freq: sum(4 * (rope // 2) * len(chunks[x]) for x in ran),
+            probs: sum(m * tokens * experts * 5 for m in moe.values()),
+            row_id: sum(moe[x] * tokens * (2 * experts + 1) * 4 for x in ran
+                        if (x, newest[x]) in done),
+            labels: -sum(8 * tokens * (2 if x == 0 and case.rank == 0 else 1)
+                         for x, _ in inflight),
+            scalars: 4 + 4,
+            "RoPE's cache [s, 1, 1, d_r] fp32 of layers whose chunk has not run a forward yet":
+                -sum(4 * tokens * rope * len(chunks[x]) for x in range(case.vpp)
+                     if x not in ran),
+            **schedule_refs,
+        }
+        out.append({k: v for k, v in rows.items() if v})
     return out
 
 
@@ -414,8 +680,6 @@ def run_schedule_case(case: ScheduleCase, cfg=None) -> ScheduleResult:
     steps, live, freed = _megatron(case, cfg)
     ours = [str(s) for s in schedule(case.schedule, case.pp, case.vpp,
                                      case.num_microbatches)[case.rank]]
-    if case.vpp > 1:
-        return ScheduleResult(case, steps, ours, live, freed)
     return ScheduleResult(case, steps, ours, live, freed, _tracemem_bytes(case, cfg),
                           step_residue(case, cfg, steps))
 
@@ -428,7 +692,7 @@ def run_schedule_cases(cases=None) -> list[ScheduleResult]:
 def format_results(results: list[ScheduleResult]) -> str:
     """One row per case: the steps (one string when both sides agree), the in-flight peak,
     the bytes alive after Megatron-Core's busiest step on both sides (tracemem's replay, and
-    the residue there; "-" where the bytes are not compared) and what
+    the residue there) and what
     ``deallocate_output_tensor`` freed; then the residue rows with their bytes at that step."""
     from tabulate import tabulate
 
@@ -456,14 +720,14 @@ def format_results(results: list[ScheduleResult]) -> str:
                                                       "right", "right", "left"))
     bad = [line for r in results for line in r.unexplained]
     verdict = ([f"FAIL: {len(bad)} schedule difference(s):", *(f"- {b}" for b in bad)] if bad
-               else ["OK: every rank runs its steps in tracemem's order, and without VPP "
-                     "holds tracemem's bytes plus the residue after every step."])
+               else ["OK: every rank runs its steps in tracemem's order and holds "
+                     "tracemem's bytes plus the residue after every step."])
     legend = ("Megatron-Core's forward_backward_pipelining_without_interleaving / "
               "_with_interleaving on meta (each chunk in its DistributedDataParallel), one "
               "rank, deepseek-tiny with 4 layers, b=1, s=16; steps in tracemem.schedules "
               "notation (virtual stage, F/B, microbatch); bytes alive after Megatron-Core's "
               "busiest step, parameters and DDP buffers excluded (tracemem: its replay plus "
-              "RoPE's cache); with VPP the bytes are not compared.")
+              "RoPE's cache).")
     parts = [table, "", legend]
     if residue_rows:
         parts += ["", tabulate(residue_rows, headers=["schedule: layout, rank", "at",
