@@ -330,10 +330,13 @@ class ParallelConfig:
                                 f"try {divisors_hint(heads, also=world_size)}")
         pp, vpp = degrees.get("pp", 1), degrees.get("vpp", 1)
         layers = getattr(model_cfg, "num_layers", None)
+        accounted = account_for_embedding_in_pipeline_split or \
+            account_for_loss_in_pipeline_split
         if all(type(v) is int and v > 0 for v in (pp, vpp)) and type(layers) is int \
-                and pp_layout is None and pp * vpp > layers:
+                and pp_layout is None and not accounted and pp * vpp > layers:
             # before the world size's multiples too: no world size places more stages than
-            # layers, so a world size suggested for this PP would only lead here
+            # layers, so a world size suggested for this PP would only lead here (the
+            # embedding and the loss, when counted as layers, are _accounted_layout's)
             raise TracememError(f"pp * vpp = {pp * vpp} stages is more than the model's "
                                 f"{layers} layers; lower --pp or --vpp so that pp * vpp <= "
                                 f"{layers}")

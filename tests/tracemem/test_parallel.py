@@ -169,3 +169,18 @@ def test_account_for_embedding_and_loss_in_pipeline_split():
     with pytest.raises(TracememError, match="apply to an even split"):
         ParallelConfig.create(v3, world_size=16, pp=16, pp_first_stage_layers=4,
                               pp_last_stage_layers=1, account_for_loss_in_pipeline_split=True)
+
+
+def test_accounted_embedding_and_loss_allow_more_virtual_stages_than_layers():
+    """Megatron-LM's CI case gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_
+    split: 6 layers + 1 + 1 = 8 over pp 4 x vpp 2, one each, the first virtual stage's one the
+    embedding and the last one's the loss. The early "more stages than layers" check counts
+    decoder layers only, so it leaves an accounted split to get_num_layers_to_build's rule."""
+    import dataclasses
+    six = dataclasses.replace(load_config("deepseek-tiny"), num_layers=6)
+    par = ParallelConfig.create(six, world_size=8, pp=4, vpp=2,
+                                account_for_embedding_in_pipeline_split=True,
+                                account_for_loss_in_pipeline_split=True)
+    assert par.pp_layout == (0, 1, 1, 1, 1, 1, 1, 0)
+    with pytest.raises(TracememError, match="pp \\* vpp = 8 stages is more than the model's 6"):
+        ParallelConfig.create(six, world_size=8, pp=4, vpp=2)
