@@ -477,7 +477,7 @@ class CachedEvent:
     the disk cache of ``TraceCache`` stores (picklable) and replays identically."""
 
     __slots__ = ("index", "action", "nbytes", "total_bytes", "phase", "op", "storage_id",
-                 "category", "module", "device", "dtype", "shape")
+                 "category", "module", "device", "dtype", "shape", "retain")
 
     def __init__(self, event) -> None:
         for name in self.__slots__:
@@ -675,7 +675,7 @@ def replay_signature(steps: list[Step], pp: int, segments: Segments,
     for run in {tuple(run) for run in played.values()}:
         ids: dict[int, int] = {}
         fingerprint = (segments.transient_grads,) + tuple(
-            (key[1], tuple((e.action, e.nbytes, e.category, e.module, e.op,
+            (key[1], tuple((e.action, e.nbytes, e.category, e.module, e.op, e.retain,
                             ids.setdefault(e.storage_id, len(ids)))
                            for e in segments.events[key])) for key in run)
         content_of[run] = contents.setdefault(fingerprint, len(contents))
@@ -704,7 +704,11 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
     trace frees its gradients itself, and keeps the sharded ones it makes). A free of a
     storage the replay does not hold (one allocated before the segment, e.g. an external) is
     dropped. A second alloc of a held storage
-    (``resize_``) replaces the held record.
+    (``resize_``) replaces the held record. A storage its module keeps as state
+    (``MemoryTracer.retain``: the MoE dispatchers' probabilities and maps) outlives its traced
+    free: it is freed when its slot's next storage is allocated (a later microbatch's forward
+    of the same layer, or the recompute in a backward), else held to the end of the replay
+    (through the optimizer step, as on a GPU).
 
     With ``periodic``, the repeated stretches of the schedule (``tracemem.periodic``) are
     walked only until the replay's state (the storages held, and ``sink``'s own state when a
@@ -737,20 +741,39 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
     def key_of(step: Step) -> tuple[int, str, int]:
         return _replayed_key(step, pp, chunk_index, split, variants)
 
+    # module state (MemoryTracer.retain): slot -> the key its module holds now; released:
+    # held keys the trace has dropped, alive only through their slot
+    holder: dict[str, tuple[int, int, int]] = {}
+    released: set[tuple[int, int, int]] = set()
+
     def play(index: int, stage: int, microbatch: int, events) -> Iterator[ReplayedEvent]:
         for event in events:
             key = (stage, microbatch, event.storage_id)
             if event.action == "free":
-                held = live.pop(key, None)
-                if held is not None:
-                    yield new(ReplayedEvent, (index, key, "free", held.nbytes, held))
+                held = live.get(key)
+                if held is None:
+                    continue
+                if held.retain is not None and holder.get(held.retain) == key:
+                    released.add(key)  # its module still holds it
+                    continue
+                del live[key]
+                yield new(ReplayedEvent, (index, key, "free", held.nbytes, held))
                 continue
             yield new(ReplayedEvent, (index, key, "alloc", event.nbytes, event))
             if event.category is gradient:  # into the main grad
                 live.pop(key, None)
                 yield new(ReplayedEvent, (index, key, "free", event.nbytes, event))
-            else:
-                live[key] = event
+                continue
+            live[key] = event
+            slot = event.retain
+            if slot is not None:  # the module's attribute now points here: the old one goes
+                old = holder.get(slot)
+                holder[slot] = key
+                if old is not None and old != key and old in released:
+                    released.discard(old)
+                    held = live.pop(old, None)
+                    if held is not None:
+                        yield new(ReplayedEvent, (index, old, "free", held.nbytes, held))
 
     def early(index: int) -> Iterator[ReplayedEvent]:
         """At a mark of B step ``index``: the next reloaded group of the next chunk."""
@@ -816,16 +839,19 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
                     check = size in sizes
                     sizes.add(size)
             if check:
+                # a microbatch's storages renumber while it is in flight, or while only its
+                # module holds them (released: the same state, a cycle later)
                 def canon(key, boundary=boundary, offset=k * stretch.shift):
                     if type(key) is tuple and len(key) == 3 and type(key[0]) is int \
-                            and key[1] >= 1 and last[key[1]] >= boundary:
+                            and key[1] >= 1 and (last[key[1]] >= boundary or key in released):
                         return (key[0], key[1] - offset, key[2])
                     return ("held", key)
 
                 state = (frozenset((canon(key), id(e)) for key, e in live.items()),
                          sink.state(canon) if sink is not None else None,
                          frozenset((canon((st, mb, None)), n)
-                                   for (st, mb), n in early_done.items()))
+                                   for (st, mb), n in early_done.items()),
+                         frozenset((slot, canon(key)) for slot, key in holder.items()))
                 if pending is not None:  # k is one cycle past it
                     cycle = pending[1]
                     if state == pending[2] and (stretch.count - k) // cycle:
@@ -833,16 +859,25 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
                         cycles = (stretch.count - k) // cycle
                         shift = cycles * cycle * stretch.shift
 
-                        def rename(key, boundary=boundary, shift=shift):
+                        # the released keys as they are now: rename is called again by
+                        # the sink after released itself is renamed below
+                        def rename(key, boundary=boundary, shift=shift,
+                                   kept=frozenset(released)):
                             if type(key) is tuple and len(key) == 3 \
                                     and type(key[0]) is int and key[1] >= 1 \
-                                    and last[key[1]] >= boundary:
+                                    and (last[key[1]] >= boundary or key in kept):
                                 return (key[0], key[1] + shift, key[2])
                             return key
 
                         moved = {rename(key): e for key, e in live.items()}
                         live.clear()
                         live.update(moved)
+                        slots = {slot: rename(key) for slot, key in holder.items()}
+                        holder.clear()
+                        holder.update(slots)
+                        kept = {rename(key) for key in released}
+                        released.clear()
+                        released.update(kept)
                         held_early = {rename((st, mb, None))[:2]: n
                                       for (st, mb), n in early_done.items()}
                         early_done.clear()

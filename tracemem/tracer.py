@@ -73,7 +73,7 @@ class _Storage:
     lives (a temporary that autograd saves becomes an activation); it applies to its whole life."""
 
     __slots__ = ("sid", "key", "nbytes", "raw_nbytes", "category", "module", "phase", "op",
-                 "device", "dtype", "shape", "ref")
+                 "device", "dtype", "shape", "ref", "retain")
 
     def __init__(self, sid, key, raw_nbytes, nbytes, category, module, phase, op, tensor):
         self.sid = sid
@@ -88,6 +88,9 @@ class _Storage:
         self.dtype = tensor.dtype
         self.shape = tuple(tensor.shape)
         self.ref = None
+        # a module-state slot (MemoryTracer.retain): the storage is also held by its module
+        # until the slot's next storage is made (a later microbatch's forward); None: not
+        self.retain = None
 
 
 class MemoryEvent:
@@ -122,6 +125,7 @@ class MemoryEvent:
     device = property(lambda self: self._storage.device)
     dtype = property(lambda self: self._storage.dtype)
     shape = property(lambda self: self._storage.shape)
+    retain = property(lambda self: self._storage.retain)
 
     def __repr__(self) -> str:
         return (f"MemoryEvent({self.index}, {self.action} {self.nbytes} B, total={self.total_bytes},"
@@ -485,6 +489,21 @@ class MemoryTracer(TorchDispatchMode):
             rec.category = category
             if module is not None:
                 rec.module = module
+
+    def retain(self, tensor: Tensor | None, slot: str) -> None:
+        """Mark the storage of ``tensor`` (born in the traced region) as module state kept in
+        ``slot`` (a name unique to the module, e.g. ``"layers.3.dispatcher.probs"``): the
+        module holds it beyond the trace's own lifetime, until the module makes the slot's
+        next storage (Megatron-Core's MoE token dispatchers keep the routing probabilities,
+        maps and permutation map as attributes until the layer's next forward). The trace is
+        unchanged (the storage is freed where the traced code drops it); the schedule replay
+        (``tracemem.estimator.replay_events``) keeps it until the slot's next storage is
+        allocated, or to the end of the replay."""
+        if tensor is None:
+            return
+        rec = self._live.get(tensor.untyped_storage()._cdata)
+        if rec is not None and rec.phase is not Phase.EXTERNAL:
+            rec.retain = slot
 
     def _retag(self, t: Tensor | None, category: Category, module: str | None = None) -> None:
         """Give a storage born in the region its final category (and module)."""

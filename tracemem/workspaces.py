@@ -98,9 +98,10 @@ Not here, and why:
   size), the grouped-tensor GEMM path (``moe_use_grouped_tensor``: ``_get_grouped_cublas_
   workspace`` per layout and ``_get_grouped_gemm_setup_workspace``), FP8 state: not run by the
   megatron-te profile.
-- The alltoall dispatcher's references to ``probs``, ``routing_map`` and the row-id map kept
+- The MoE dispatchers' references to ``probs``, ``routing_map`` and the row-id map kept
   until the layer's next forward (``token_dispatcher.py``): tensors the trace already makes,
-  whose lifetime the replay would have to extend; not an allocation below the dispatcher.
+  whose lifetime the schedule replay extends (``MemoryTracer.retain``); not an allocation
+  below the dispatcher.
 - Yarn RoPE (Megatron's default ``--rope-type`` for MLA): ``YarnRotaryEmbedding.__init__``
   (``models/common/embeddings/yarn_rotary_pos_embedding.py``) also registers ``cos_cached`` /
   ``sin_cached`` buffers ``[original_max_position_embeddings / CP, 1, 1, d_rope]`` per MLA layer,

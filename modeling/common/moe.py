@@ -22,7 +22,7 @@ from modeling.kernels import KernelProfile, get_profile
 from modeling.common.linear import Linear
 from modeling.kernels.moe import masked_select
 from modeling.common.mlp import MLP, _ACTIVATIONS
-from modeling.parallel.collectives import all_gather, all_to_all, reduce_scatter
+from modeling.parallel.collectives import active_tracer, all_gather, all_to_all, reduce_scatter
 from modeling.common.router import Gate, RouterSpec
 from modeling.common.routing import RoutingModel
 from modeling.parallel.groups import declare, declare_module, expert, replicated
@@ -461,9 +461,9 @@ class MoE(nn.Module):
     def _forward_megatron(self, x: Tensor, routing: RoutingModel) -> Tensor:
         """Megatron-Core's ``MoELayer`` with ``MoEAlltoAllTokenDispatcher`` (megatron/core/
         transformer/moe/token_dispatcher.py at Megatron-LM d98e8a6): ``dispatch_preprocess``
-        gathers the shared experts' input and permutes (the dispatcher's references to the
-        probabilities, the routing map and the row-id map, which outlive the microbatch, are
-        not modelled: docs/validation.md);
+        gathers the shared experts' input and permutes, and keeps the probabilities, the
+        routing map and the row-id map as the dispatcher's attributes until the layer's next
+        forward (``_keep_on_dispatcher``);
         ``token_dispatch`` all-to-alls the tokens, runs the shared experts' fc1 and
         activation, all-to-alls the probabilities; ``dispatch_postprocess`` gathers over
         expert TP and sorts the chunks; the experts; ``combine_preprocess`` unsorts, then
@@ -500,9 +500,9 @@ class MoE(nn.Module):
         # received by the all-to-all until the layer's output is made.
         hidden_states, permuted_probs, row_id_map = k.permute(x, probs, slots,  # (slots, h)
                                                               routing_map)
-        # Megatron's dispatch_preprocess also keeps probs, routing_map and row_id_map on the
-        # dispatcher until the layer's next forward, across microbatches; not modelled (the
-        # replay frees a microbatch's storages within its own steps): docs/validation.md
+        # dispatch_preprocess: self.probs, self.routing_map and (from permute) self.reversed_
+        # local_input_permutation_mapping, kept on the dispatcher until the layer's next forward
+        self._keep_on_dispatcher(probs=probs, routing_map=routing_map, row_id_map=row_id_map)
         del routing_map
         # token_dispatch: all-to-all of the tokens (an identity Node at EP 1, as Megatron's)
         dispatched = _collective(all_to_all, hidden_states, self.ep, rows // self.etp)
@@ -554,9 +554,9 @@ class MoE(nn.Module):
         ``combine_preprocess``: ``unpermute`` to the gathered ``(T x ETP x EP, h)``;
         ``token_combine``: a reduce-scatter in the probabilities' dtype, cast back;
         ``postprocess`` adds the shared experts' output (computed first). ``x`` ``(b,
-        s_local, h)``; returns the same shape. The dispatcher's ``local_map`` / ``local_probs``
-        / permutation map, kept on it until the next forward, are not kept here (as for the
-        alltoall dispatcher)."""
+        s_local, h)``; returns the same shape. The dispatcher's ``local_map``, ``local_probs``
+        (after the ``masked_select``) and permutation map stay its attributes until the
+        layer's next forward (``_keep_on_dispatcher``)."""
         k = self.kernels
         shape = x.shape
         x = x.view(-1, shape[-1])  # (T, h)
@@ -580,6 +580,10 @@ class MoE(nn.Module):
         del hidden
         local_probs = masked_select(local_probs.T.contiguous(), local_map.T.contiguous(),
                                     rows)  # (rows,)
+        # dispatch_postprocess: self.local_map, self.local_probs and self.reversed_local_
+        # input_permutation_mapping, kept on the dispatcher until the layer's next forward
+        self._keep_on_dispatcher(local_map=local_map, local_probs=local_probs,
+                                 mapping=mapping)
         probs_col = local_probs.unsqueeze(-1)
         out = self._experts_megatron(permuted, probs_col, counts)  # (rows, h)
         del permuted, probs_col
@@ -591,6 +595,19 @@ class MoE(nn.Module):
         if shared_out is not None:
             y = y + shared_out
         return y
+
+    def _keep_on_dispatcher(self, **state: Tensor) -> None:
+        """The tensors Megatron-Core's token dispatcher keeps as attributes from this forward
+        until the layer's next one replaces them (megatron-core 0.16.1 transformer/moe/
+        token_dispatcher.py: ``MoEAlltoAllTokenDispatcher.dispatch_preprocess``, and
+        ``MoEAllGatherTokenDispatcher.dispatch_postprocess``), across microbatches: marked
+        for the tracer (``MemoryTracer.retain``, one slot per layer and attribute), whose
+        schedule replay holds each until the slot's next storage is made. Held against
+        Megatron-Core's schedules in ``tracemem.oracle.schedule_oracle``."""
+        tracer = active_tracer()
+        if tracer is not None:
+            for name, tensor in state.items():
+                tracer.retain(tensor, f"moe{self.layer_id}.dispatcher.{name}")
 
     def _routed_experts_megatron(self, tokens: Tensor, probs: Tensor, probs_dtype, dtype,
                                  counts: list[int]) -> Tensor:

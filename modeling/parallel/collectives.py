@@ -40,12 +40,19 @@ def _running(name: str):
         RUNNING.pop()
 
 
-def _comm(t: Tensor) -> Tensor:
-    # the tracer may sit below another mode (selective checkpointing's caching mode)
+def active_tracer() -> MemoryTracer | None:
+    """The ``MemoryTracer`` tracing now, if any (it may sit below another mode: selective
+    checkpointing's caching mode)."""
     for mode in reversed(_get_current_dispatch_mode_stack()):
         if isinstance(mode, MemoryTracer):
-            mode.tag(t, Category.COMM_BUFFER)
-            break
+            return mode
+    return None
+
+
+def _comm(t: Tensor) -> Tensor:
+    tracer = active_tracer()
+    if tracer is not None:
+        tracer.tag(t, Category.COMM_BUFFER)
     return t
 
 

@@ -106,3 +106,41 @@ def test_static_memory_alone_is_a_peak_before_any_step():
     segments = traced(2, 1)
     result = replay_schedule([], 2, segments, 123)
     assert result == ReplayPeak(123, None, 0, {}, {}, [])
+
+
+def test_module_state_outlives_its_traced_free_until_its_slot_is_made_again():
+    # MemoryTracer.retain (the MoE dispatchers' probabilities and maps), by hand. 1F1B, PP 2,
+    # M 4, rank 0: F0 F1 B0 F2 B1 F3 B2 B3. Each forward makes a 100-B state storage its
+    # module keeps (slot "s") and a 10-B activation; the "probs" kind dies in the forward
+    # (the trace's free), so only the slot holds it; the "map" kind is saved for backward too
+    # (freed by the trace at B), so it dies at the later of its backward and the slot's next
+    # storage.
+    from types import SimpleNamespace
+
+    from tracemem.estimator import Segments
+
+    def ev(action, sid, nbytes, retain=None):
+        return SimpleNamespace(action=action, storage_id=sid, nbytes=nbytes,
+                               category=Category.ACTIVATION, module="", op=None, retain=retain)
+
+    def run(state_dies_in_forward):
+        f = {0: [ev("alloc", 1, 100, "s"), ev("alloc", 2, 10)],
+             1: [ev("alloc", 3, 100, "s"), ev("alloc", 4, 10)]}
+        b = {0: [ev("free", 2, 10)], 1: [ev("free", 4, 10)]}
+        for mb, sid in ((0, 1), (1, 3)):
+            (f if state_dies_in_forward else b)[mb].append(ev("free", sid, 100))
+        segments = Segments({(0, "F", m): f[m] for m in (0, 1)} |
+                            {(0, "B", m): b[m] for m in (0, 1)})
+        steps = schedule("1f1b", 2, 1, 4)[0]
+        assert [str(s) for s in steps] == ["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2",
+                                           "0B3"]
+        alive, after = 0, [0] * len(steps)
+        for e in replay_events(steps, 2, segments):
+            alive += e.nbytes if e.action == "alloc" else -e.nbytes
+            after[e.step_index] = alive
+        return after
+
+    # the state of the newest forward only (100), plus 10 per microbatch in flight
+    assert run(True) == [110, 120, 110, 120, 110, 120, 110, 100]
+    # saved for backward as well: microbatch 0's state lives to B0 although F1 replaced it
+    assert run(False) == [110, 220, 110, 220, 110, 220, 110, 100]

@@ -273,14 +273,18 @@ RESIDUE: tuple[ResidueRule, ...] = (
         reason="transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher."
                "dispatch_preprocess stores self.probs until the layer's next forward (across "
                "microbatches); alive at the forward peak on both sides; under full recompute "
-               "the backward's recompute replaces it, freed before the backward peak"),
+               "the backward's recompute replaces it, freed before the backward peak. "
+               "tracemem's trace drops it; its schedule replay holds it as the dispatcher "
+               "does (MemoryTracer.retain, held against Megatron-Core's schedules by "
+               "schedule_oracle)"),
     ResidueRule(
         "dispatcher routing_map [T, E] bool", "MoE layers", lambda d: d.moe,
         kept=lambda d: d.t * d.e, forward_peak=lambda d: d.t * d.e,
         backward_peak=lambda d: 0, storages=lambda d: ((d.t * d.e, "bool"),),
         reason="token_dispatcher.py dispatch_preprocess stores self.routing_map until the "
-               "layer's next forward; alive at the forward peak (tracemem frees it); under "
-               "full recompute the recomputed one replaces it"),
+               "layer's next forward; alive at the forward peak (tracemem's trace frees it, "
+               "its schedule replay holds it: MemoryTracer.retain); under full recompute the "
+               "recomputed one replaces it"),
     ResidueRule(
         "dispatcher row-id map [T, 2E + 1] int32", "MoE layers, full or moe recompute",
         lambda d: d.moe and _moe_checkpointed(d),
@@ -290,7 +294,8 @@ RESIDUE: tuple[ResidueRule, ...] = (
         reason="token_dispatcher.py self.reversed_local_input_permutation_mapping lives until "
                "the next forward; elsewhere the unpermute saves it on both sides, but full "
                "recompute's forward runs under no_grad (CheckpointFunction); the recompute "
-               "replaces it before the backward peak"),
+               "replaces it before the backward peak (tracemem's schedule replay holds it: "
+               "MemoryTracer.retain)"),
     ResidueRule(
         "recomputed outputs copied back while held (CheckpointWithoutOutput, 0.16.1)",
         "selective layernorm / mla_up_proj, backward",

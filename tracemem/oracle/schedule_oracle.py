@@ -132,9 +132,8 @@ class _StepDims:
     ("F" / "B"); the rank's place (``first``: embedding, ``last``: output layer and loss);
     ``backwards``, the backward steps done so far (this one included); ``prior_backward``, a
     backward step ran before this one; ``inflight``, forwards minus backwards after it;
-    ``last_forward_done``, the newest forward's microbatch has had its backward; sizes:
-    ``hidden`` the bytes of one [s, b, h] bf16 pipeline tensor, ``tokens`` b x s, ``layers``
-    and ``moe_layers`` on the rank, ``experts`` routed, ``rope`` the RoPE head dim."""
+    sizes: ``hidden`` the bytes of one [s, b, h] bf16 pipeline tensor, ``tokens`` b x s,
+    ``layers`` on the rank, ``rope`` the RoPE head dim."""
 
     kind: str
     first: bool
@@ -142,12 +141,9 @@ class _StepDims:
     backwards: int
     prior_backward: bool
     inflight: int
-    last_forward_done: bool
     hidden: int
     tokens: int
     layers: int
-    moe_layers: int
-    experts: int
     rope: int
 
 
@@ -172,21 +168,6 @@ SCHEDULE_RESIDUE: tuple[ScheduleResidueRow, ...] = (
         "makes self.inv_freq a plain attribute (not a buffer), one per MLA layer's "
         "RotaryEmbedding; on a GPU it exists from construction, the tracer first sees it at "
         "the first forward; tracemem's static memory does not count it (16 B a layer here)"),
-    ScheduleResidueRow(
-        "dispatcher probs [T, E] fp32 and routing map [T, E] bool, per MoE layer",
-        lambda d: d.moe_layers * d.tokens * d.experts * (4 + 1),
-        _MCORE + "transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher."
-        "dispatch_preprocess keeps self.probs and self.routing_map until the layer's next "
-        "forward replaces them; tracemem frees them as temporaries of the router (a tracemem "
-        "gap: tracemem.workspaces names it)"),
-    ScheduleResidueRow(
-        "dispatcher row-id map [T, 2E + 1] int32 after its backward, per MoE layer",
-        lambda d: d.moe_layers * d.tokens * (2 * d.experts + 1) * 4 if d.last_forward_done
-        else 0,
-        _MCORE + "transformer/moe/token_dispatcher.py dispatch_preprocess keeps the fused "
-        "permute's row-id map as self.reversed_local_input_permutation_mapping until the "
-        "layer's next forward; tracemem keeps it as an activation until the microbatch's "
-        "backward only (a tracemem gap)"),
     ScheduleResidueRow(
         "labels (and, first stage, token ids) int64 [b, s] per microbatch in flight",
         lambda d: -d.inflight * 8 * d.tokens * (2 if d.first else 1),
@@ -250,19 +231,16 @@ def step_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[str, in
         return interleaved_residue(case, cfg, steps)
     par = ParallelConfig.create(cfg, world_size=case.pp, pp=case.pp)
     layers = [i for chunk in par.layers_of_stage(case.rank) for i in chunk]
-    out, inflight, done, newest, backwards = [], 0, set(), None, 0
+    out, inflight, backwards = [], 0, 0
     for step in steps:
         kind = "F" if "F" in step else "B"
-        mb = int(step.split(kind)[1])
         prior = backwards > 0
         if kind == "F":
-            inflight, newest = inflight + 1, mb
+            inflight += 1
         else:
             inflight, backwards = inflight - 1, backwards + 1
-            done.add(mb)
         d = _StepDims(kind, case.rank == 0, case.rank == case.pp - 1, backwards, prior,
-                      inflight, newest in done, 16 * cfg.hidden_size * 2, 16, len(layers),
-                      sum(cfg.is_moe_layer(i) for i in layers), cfg.num_routed_experts,
+                      inflight, 16 * cfg.hidden_size * 2, 16, len(layers),
                       cfg.qk_rope_head_dim)
         out.append({row.tensor: n for row in SCHEDULE_RESIDUE if (n := row.bytes(d))})
     return out
@@ -465,8 +443,8 @@ def interleaved_references(pp: int, vpp: int, num_microbatches: int, rank: int,
 
 def interleaved_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[str, int]]:
     """The residue of an interleaved (VPP > 1) rank after each of ``steps``: per model chunk,
-    ``SCHEDULE_RESIDUE``'s RoPE ``inv_freq``, dispatcher and row-id-map rows once the chunk
-    has run a forward, tracemem's labels and token ids per microbatch in flight, the schedule
+    ``SCHEDULE_RESIDUE``'s RoPE ``inv_freq`` row once the chunk has run a forward, tracemem's
+    labels and token ids per microbatch in flight, the schedule
     scalars, RoPE's cache of the chunks whose first forward is still to come (negative:
     tracemem counts the rank's from its first forward, Megatron-Core's ``lru_cache`` fills per
     layer), and ``interleaved_references``' pipeline tensors.
@@ -482,24 +460,20 @@ def interleaved_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[
     chunks = par.layers_of_stage(case.rank, placement(case.schedule, case.pp, case.vpp,
                                                       case.num_microbatches))
     hidden = 16 * cfg.hidden_size * 2
-    tokens, experts, rope = 16, cfg.num_routed_experts, cfg.qk_rope_head_dim
+    tokens, rope = 16, cfg.qk_rope_head_dim
     refs = interleaved_references(case.pp, case.vpp, case.num_microbatches, case.rank,
                                   hidden)
     if [name for name, _ in refs] != list(steps):
         raise TracememError(f"schedule {case.name}: Megatron-Core's steps are not the "
                             f"interleaved schedule the residue models")
     rows_by_name = {r.tensor: r for r in SCHEDULE_RESIDUE}
-    inv_freq, probs, row_id, labels, scalars = (
+    inv_freq, labels, scalars = (
         "RoPE inv_freq [d_r / 2] fp32, per MLA layer",
-        "dispatcher probs [T, E] fp32 and routing map [T, E] bool, per MoE layer",
-        "dispatcher row-id map [T, 2E + 1] int32 after its backward, per MoE layer",
         "labels (and, first stage, token ids) int64 [b, s] per microbatch in flight",
         "total_num_tokens int32 [] and the MoE aux-loss scale fp32 [1]")
-    assert {inv_freq, probs, row_id, labels, scalars} <= set(rows_by_name)
+    assert {inv_freq, labels, scalars} <= set(rows_by_name)
     ran: set[int] = set()
     inflight: set[tuple[int, int]] = set()
-    newest: dict[int, int] = {}
-    done: set[tuple[int, int]] = set()
     out = []
     for step, schedule_refs in refs:
         kind = "F" if "F" in step else "B"
@@ -508,16 +482,10 @@ def interleaved_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[
         if kind == "F":
             ran.add(c)
             inflight.add((c, mb))
-            newest[c] = mb
         else:
             inflight.discard((c, mb))
-            done.add((c, mb))
-        moe = {x: sum(cfg.is_moe_layer(i) for i in chunks[x]) for x in ran}
         rows = {
             inv_freq: sum(4 * (rope // 2) * len(chunks[x]) for x in ran),
-            probs: sum(m * tokens * experts * 5 for m in moe.values()),
-            row_id: sum(moe[x] * tokens * (2 * experts + 1) * 4 for x in ran
-                        if (x, newest[x]) in done),
             labels: -sum(8 * tokens * (2 if x == 0 and case.rank == 0 else 1)
                          for x, _ in inflight),
             scalars: 4 + 4,
