@@ -224,6 +224,10 @@ class Segments:
     offload_marks: dict[tuple[int, int], tuple] = field(default_factory=dict)
     prereloads: dict[tuple[int, int], tuple] = field(default_factory=dict)
     offload_chunks: frozenset[int] = frozenset()
+    # Megatron-Core's 1F1B (forward_backward_pipelining_without_interleaving): the references
+    # its loop keeps to a finished microbatch's pipeline tensors (the "pp.*" slots
+    # _trace_fb marks), honoured by replay_events; set per job (trace_classes), not traced
+    megatron_1f1b: bool = False
 
 
 @dataclass(frozen=True)
@@ -324,10 +328,13 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
                 labels = torch.zeros(b, seq, dtype=torch.long, device="meta")
                 inputs = (torch.zeros(b, seq, dtype=torch.long, device="meta") if first else
                           recv_forward((b, local, cfg.hidden_size), torch.bfloat16))
+                if not first:  # Segments.megatron_1f1b: kept past the backward
+                    tracer.retain(inputs, "pp.input")
                 with offload.chunk(handler), cpu_offload.synchronizer(sync):
                     output = model(inputs, labels, routing, chunk)
                 if not last:
                     send_forward(output, deallocate)
+                    tracer.retain(output, "pp.output")  # the stand-in, when deallocated
             if sync is not None:
                 segments.host[(chunk, mb)] = tuple(sync.host)
             if handler is not None:
@@ -362,7 +369,11 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
             with tracer:
                 grad = None if last else recv_backward((b, local, cfg.hidden_size),
                                                        torch.bfloat16)
+                if grad is not None:
+                    tracer.retain(grad, "pp.output_grad")
                 backward_from(output, grad)
+                if not first and inputs.grad is not None:
+                    tracer.retain(inputs.grad, "pp.input_grad")
                 if gathers is not None:
                     gathers.end_backward()  # FSDP2's root final callback
                 del inputs, output, labels, grad  # the schedule drops them after backward
@@ -674,7 +685,7 @@ def replay_signature(steps: list[Step], pp: int, segments: Segments,
     content_of: dict[tuple, int] = {}
     for run in {tuple(run) for run in played.values()}:
         ids: dict[int, int] = {}
-        fingerprint = (segments.transient_grads,) + tuple(
+        fingerprint = (segments.transient_grads, segments.megatron_1f1b) + tuple(
             (key[1], tuple((e.action, e.nbytes, e.category, e.module, e.op, e.retain,
                             ids.setdefault(e.storage_id, len(ids)))
                            for e in segments.events[key])) for key in run)
@@ -708,7 +719,11 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
     (``MemoryTracer.retain``: the MoE dispatchers' probabilities and maps) outlives its traced
     free: it is freed when its slot's next storage is allocated (a later microbatch's forward
     of the same layer, or the recompute in a backward), else held to the end of the replay
-    (through the optimizer step, as on a GPU).
+    (through the optimizer step, as on a GPU). With ``segments.megatron_1f1b`` (Megatron-Core's
+    ``forward_backward_pipelining_without_interleaving``) the "pp.*" storages ``_trace_fb``
+    marks outlive their backward as that loop's references keep them: the received input and
+    the output's stand-in to the start of the next B step, the input gradient to its end, the
+    output gradient to the next one's receive, all to the schedule's return (before "O").
 
     With ``periodic``, the repeated stretches of the schedule (``tracemem.periodic``) are
     walked only until the replay's state (the storages held, and ``sink``'s own state when a
@@ -742,9 +757,30 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
         return _replayed_key(step, pp, chunk_index, split, variants)
 
     # module state (MemoryTracer.retain): slot -> the key its module holds now; released:
-    # held keys the trace has dropped, alive only through their slot
+    # held keys the trace has dropped, alive only through their slot or a schedule reference
     holder: dict[str, tuple[int, int, int]] = {}
     released: set[tuple[int, int, int]] = set()
+    # Megatron's 1F1B loop (Segments.megatron_1f1b), for the "pp.*" slots _trace_fb marks:
+    # the popped output keeps its graph, whose AccumulateGrad Node keeps the received input,
+    # until the next pop (the start of the next B step); the local input_tensor_grad keeps
+    # the input gradient until the next backward_step returns (the end of the next B step);
+    # the local output_tensor_grad keeps the output gradient until the next receive (the slot
+    # "pp.output_grad"); all until the schedule returns (before the optimizer step)
+    locals_1f1b = segments.megatron_1f1b
+    until_start: list[tuple[int, int, int]] = []  # freed at the next B step's start
+    until_end: list[tuple[int, int, int]] = []  # freed at the next B step's end
+    later: tuple[list, list] = ([], [])  # this B step's, for the next one
+
+    def outlives(slot: str) -> bool:
+        """A slot whose storages outlive their traced free in this replay."""
+        return not slot.startswith("pp.") or locals_1f1b
+
+    def drop(index: int, keys) -> Iterator[ReplayedEvent]:
+        for old in keys:
+            released.discard(old)
+            held = live.pop(old, None)
+            if held is not None:
+                yield new(ReplayedEvent, (index, old, "free", held.nbytes, held))
 
     def play(index: int, stage: int, microbatch: int, events) -> Iterator[ReplayedEvent]:
         for event in events:
@@ -753,9 +789,15 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
                 held = live.get(key)
                 if held is None:
                     continue
-                if held.retain is not None and holder.get(held.retain) == key:
-                    released.add(key)  # its module still holds it
-                    continue
+                slot = held.retain
+                if slot is not None and outlives(slot):
+                    if holder.get(slot) == key:
+                        released.add(key)  # its module (or the loop) still holds it
+                        continue
+                    if slot in ("pp.input", "pp.output", "pp.input_grad"):
+                        released.add(key)
+                        later[slot == "pp.input_grad"].append(key)
+                        continue
                 del live[key]
                 yield new(ReplayedEvent, (index, key, "free", held.nbytes, held))
                 continue
@@ -766,14 +808,31 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
                 continue
             live[key] = event
             slot = event.retain
-            if slot is not None:  # the module's attribute now points here: the old one goes
+            if slot is not None and (slot == "pp.output_grad" and locals_1f1b
+                                     or not slot.startswith("pp.")):
+                # the attribute (or local) now points here: the old one goes
                 old = holder.get(slot)
                 holder[slot] = key
                 if old is not None and old != key and old in released:
-                    released.discard(old)
-                    held = live.pop(old, None)
-                    if held is not None:
-                        yield new(ReplayedEvent, (index, old, "free", held.nbytes, held))
+                    yield from drop(index, (old,))
+
+    def loop_step(index: int, step: Step, inner) -> Iterator[ReplayedEvent]:
+        """A step of Megatron's 1F1B loop around ``inner`` (the step's own replay): a B step
+        first drops what the previous one left to its start and, at its end, what it left to
+        its end; the optimizer step runs after the schedule has returned, its locals gone."""
+        if step.kind == "O":
+            yield from drop(index, until_start + until_end + later[0] + later[1] + [
+                holder.pop(slot) for slot in [s for s in holder if s.startswith("pp.")]])
+            until_start.clear(), until_end.clear(), later[0].clear(), later[1].clear()
+        elif step.kind == "B":
+            yield from drop(index, until_start)
+            until_start.clear()
+        yield from inner
+        if step.kind == "B":
+            yield from drop(index, until_end)
+            until_end[:] = later[1]
+            until_start[:] = later[0]
+            later[0].clear(), later[1].clear()
 
     def early(index: int) -> Iterator[ReplayedEvent]:
         """At a mark of B step ``index``: the next reloaded group of the next chunk."""
@@ -795,8 +854,10 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
         key_of_step = key_of(step)
         events = segments.events[key_of_step]
         if not marks_of or step.kind != "B":  # play's own generator: one frame less an event
-            return play(index, step.stage, step.microbatch, events)
-        return marked(index, step, key_of_step, events)
+            inner = play(index, step.stage, step.microbatch, events)
+        else:
+            inner = marked(index, step, key_of_step, events)
+        return loop_step(index, step, inner) if locals_1f1b and step.kind != "F" else inner
 
     def marked(index: int, step: Step, key_of_step, events) -> Iterator[ReplayedEvent]:
         """A B step with offload marks: the next chunk's groups reloaded at its marks."""
@@ -851,7 +912,9 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
                          sink.state(canon) if sink is not None else None,
                          frozenset((canon((st, mb, None)), n)
                                    for (st, mb), n in early_done.items()),
-                         frozenset((slot, canon(key)) for slot, key in holder.items()))
+                         frozenset((slot, canon(key)) for slot, key in holder.items()),
+                         tuple(tuple(canon(key) for key in keys)
+                               for keys in (until_start, until_end, *later)))
                 if pending is not None:  # k is one cycle past it
                     cycle = pending[1]
                     if state == pending[2] and (stretch.count - k) // cycle:
@@ -875,9 +938,11 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
                         slots = {slot: rename(key) for slot, key in holder.items()}
                         holder.clear()
                         holder.update(slots)
-                        kept = {rename(key) for key in released}
+                        for keys in (until_start, until_end, *later):
+                            keys[:] = [rename(key) for key in keys]
+                        renamed = {rename(key) for key in released}
                         released.clear()
-                        released.update(kept)
+                        released.update(renamed)
                         held_early = {rename((st, mb, None))[:2]: n
                                       for (st, mb), n in early_done.items()}
                         early_done.clear()
@@ -1250,6 +1315,8 @@ def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
                     lambda v, stage=unit.stage: where.chunk_index(stage, v), offload_warmup))
         static, segments = cache.get((key, unit.signature, unit.chunks), step, trace,
                                      lambda model, tracer, fb: _finish(job, model, tracer, fb))
+        if job.schedule == "1f1b" and job.profile.orchestration == "megatron":
+            segments = replace(segments, megatron_1f1b=True)  # the same events, shared
         steps = job.steps[unit.stage]
         # the optimizer step after the schedule's last step, on the traced "O" segment
         first = next(s for s in steps if where.chunk_index(unit.stage, s.stage) == 0)

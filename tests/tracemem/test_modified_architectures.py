@@ -59,7 +59,7 @@ def test_the_python_form_gives_the_same_worst_rank(monkeypatch):
     exec(compile(code.replace("print(", "(lambda *a: None)("), "docs", "exec"), scope)
     result = scope["result"]
     assert result.worst.pp_stage == 1
-    assert f"{result.worst.peak_bytes / 2**30:.2f}" == "93.21"  # the table's stage 1 peak
+    assert f"{result.worst.peak_bytes / 2**30:.2f}" == "93.29"  # the table's stage 1 peak
     assert result.settings["replace"] == {"attn": "WindowAttention"}
 
 

@@ -119,8 +119,10 @@ def test_reserved_peak_reached_after_the_skipped_cycles():
 
     # a dense model: deepseek-tiny's MoE stages hold their dispatchers' state from one
     # microbatch to the next (MemoryTracer.retain), whose small blocks move the small pool's
-    # layout for many cycles, so the shortcut finds no cycle on them within its probes
-    job = Job.create("llama-tiny", world_size=2, pp=2, num_microbatches=40,
+    # layout for many cycles, so the shortcut finds no cycle on them within its probes; 64
+    # microbatches: Megatron's loop keeps the last backward's pipeline tensors too
+    # (Segments.megatron_1f1b), and the blocks settle a few pairs later than without
+    job = Job.create("llama-tiny", world_size=2, pp=2, num_microbatches=64,
                      micro_batch_size=1, seq_length=16, schedule="1f1b")
     last = trace_classes(job, rank_classes(job), TraceCache())[-1]
     big = SimpleNamespace(action="alloc", nbytes=64 * 2**20, storage_id=-1,
@@ -147,12 +149,15 @@ def test_reserved_peak_reached_after_the_skipped_cycles():
     assert short.reserved_peak_event > len(yielded)  # numbered as in the full replay
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("name", ["zb-h1"])
 def test_allocator_cycle_with_two_microbatches_in_flight(name):
     # stage 0 of 2 holds two microbatches in flight: the allocator's blocks settle into a
     # cycle after a few dozen pairs (its fragmentation pattern repeats), and the shortcut
     # proves it by comparing the whole state; it then replays about a third of the events
-    # (measured: 15,708 / 15,960 of 44,880 / 45,600) and every figure equals the full replay's
+    # (measured: 15,960 of 45,600) and every figure equals the full replay's. Megatron's 1F1B
+    # did too (15,708 of 44,880) until the replay held what its loop and the MoE dispatchers
+    # keep between microbatches (Segments.megatron_1f1b, MemoryTracer.retain): its blocks
+    # no longer repeat within these 120 microbatches (docs/benchmarks.md)
     job = _job(name, 2, 1, 120)
     first = trace_classes(job, rank_classes(job), TraceCache())[0]
     from tracemem.memory.timeline import AllocatorReplay

@@ -144,3 +144,40 @@ def test_module_state_outlives_its_traced_free_until_its_slot_is_made_again():
     assert run(True) == [110, 120, 110, 120, 110, 120, 110, 100]
     # saved for backward as well: microbatch 0's state lives to B0 although F1 replaced it
     assert run(False) == [110, 220, 110, 220, 110, 220, 110, 100]
+
+
+@pytest.mark.parametrize("loop", [True, False])
+def test_megatron_1f1b_keeps_the_last_backwards_pipeline_tensors(loop):
+    # Segments.megatron_1f1b, by hand: PP 2, M 4, rank 1 (F0 B0 F1 B1 ... B3, then the
+    # optimizer step O). A forward receives a 10-B input ("pp.input") and keeps a 100-B
+    # activation; a backward receives a 20-B output gradient ("pp.output_grad"), frees the
+    # activation and makes a 10-B input gradient ("pp.input_grad"), then drops all three.
+    # Megatron's loop keeps the input and its gradient to the next backward (its start and
+    # its end) and the output gradient to the next receive; the optimizer step comes after
+    # the loop has returned. Without the loop's references (another schedule) all is freed.
+    from dataclasses import replace as copy
+    from types import SimpleNamespace
+
+    from tracemem.estimator import Segments
+    from tracemem.schedules import Step
+
+    def ev(action, sid, nbytes, retain=None):
+        return SimpleNamespace(action=action, storage_id=sid, nbytes=nbytes,
+                               category=Category.ACTIVATION, module="", op=None, retain=retain)
+
+    forward = [ev("alloc", 1, 10, "pp.input"), ev("alloc", 2, 100)]
+    backward = [ev("alloc", 3, 20, "pp.output_grad"), ev("free", 2, 100),
+                ev("alloc", 4, 10, "pp.input_grad"), ev("free", 4, 10), ev("free", 1, 10),
+                ev("free", 3, 20)]
+    segments = copy(Segments({(0, k, m): (forward if k == "F" else backward)
+                              for k in "FB" for m in (0, 1)} | {(0, "O", 0): []}),
+                    megatron_1f1b=loop)
+    steps = schedule("1f1b", 2, 1, 4)[1] + [Step(1, "O", 0)]
+    alive, after = 0, [0] * len(steps)
+    for e in replay_events(steps, 2, segments):
+        alive += e.nbytes if e.action == "alloc" else -e.nbytes
+        after[e.step_index] = alive
+    if loop:  # after a B: that microbatch's input, input gradient and output gradient
+        assert after == [110, 40, 150, 40, 150, 40, 150, 40, 0]
+    else:
+        assert after == [110, 0, 110, 0, 110, 0, 110, 0, 0]

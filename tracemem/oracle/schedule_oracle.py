@@ -194,30 +194,20 @@ SCHEDULE_RESIDUE: tuple[ScheduleResidueRow, ...] = (
         "deallocate_output_tensor after the send, once forward_step has returned; tracemem's "
         "forward segment ends with the output replaced (modeling.parallel.pp.send_forward)"),
     ScheduleResidueRow(
-        "the last backward's output stand-in (bf16 [1]; the loss's fp32 [1], last stage)",
-        lambda d: (4 if d.last else 2) if d.backwards else 0,
-        _MCORE + "pipeline_parallel/schedules.py: output_tensor = output_tensors.pop(0) holds "
-        "the output backward_step consumed until the next pop; tracemem frees it with the "
-        "backward"),
-    ScheduleResidueRow(
-        "output_tensor_grad [s, b, h] bf16, the last received output gradient",
-        lambda d: d.hidden if d.backwards and not d.last else 0,
-        _MCORE + "pipeline_parallel/schedules.py: the local output_tensor_grad keeps the "
-        "gradient the last backward consumed until the next receive (send_forward_recv_"
-        "backward / recv_backward) replaces it; tracemem frees it with the backward"),
-    ScheduleResidueRow(
-        "the last backward's received input [s, b, h] bf16 and its .grad",
-        lambda d: 2 * d.hidden if d.backwards and not d.first else 0,
-        _MCORE + "pipeline_parallel/schedules.py: the popped output (row above) keeps its "
-        "autograd graph (backward frees saved tensors, not Nodes); the graph's AccumulateGrad "
-        "Node for the received input, a leaf that requires grad (pipeline_parallel/"
-        "p2p_communication.py create_tensor_recv_prev), holds it as .variable, and with it "
-        "its .grad, the input gradient sent back; tracemem frees both with the backward"),
+        "the last backward's loss stand-in fp32 [1] (last stage)",
+        lambda d: 4 if d.backwards and d.last else 0,
+        _MCORE + "pipeline_parallel/schedules.py: the 1F1B loop deallocates the last stage's "
+        "output too (the loss: a 1-element stand-in, the loss itself kept by forward_data_"
+        "store) and output_tensor = output_tensors.pop(0) holds it until the next pop; "
+        "tracemem's last stage sends nothing, so it has no stand-in (the other stages' are "
+        "held by its replay: Segments.megatron_1f1b)"),
     ScheduleResidueRow(
         "the previous backward's input gradient [s, b, h] bf16 while backward_step runs",
         lambda d: d.hidden if d.kind == "B" and d.prior_backward and not d.first else 0,
         _MCORE + "pipeline_parallel/schedules.py: input_tensor_grad = backward_step(...): the "
-        "local still holds the previous input gradient until backward_step returns"),
+        "local still holds the previous input gradient until backward_step returns; "
+        "tracemem's replay holds it through that backward and frees it at its end "
+        "(Segments.megatron_1f1b), which is where its step is counted"),
 )
 
 
