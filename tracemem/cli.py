@@ -1225,8 +1225,12 @@ def _run_estimate(args: argparse.Namespace) -> str:
         # why none are listed, where Megatron-LM cannot state the job (else null)
         data["approximations_not_listed"] = getattr(args, "approximations_unlisted", None)
         return json.dumps(data, indent=2)
-    return format_estimate(result, units=args.units, fits=fits, wide=args.wide,
+    text = format_estimate(result, units=args.units, fits=fits, wide=args.wide,
                            hbm_from_gpu=hbm_source)
+    if args.what_fits and fits is None:  # every rank fits: no change to try
+        text += ("\n--what-fits: every rank fits already, so no change was re-estimated (it "
+                 "tries changes only for a job that does not fit).")
+    return text
 
 
 def _say_written(args: argparse.Namespace, since: float) -> None:

@@ -108,6 +108,17 @@ def test_what_fits_answers_in_megatron_arguments(capsys, args_file):
     assert "--ep 2" not in out  # a dense model: no expert parallelism to try
 
 
+def test_what_fits_says_so_when_every_rank_fits(capsys, args_file):
+    # found by the fresh-user trial: the README's --what-fits example fits, and the flag
+    # printed nothing
+    code, out, _ = run(capsys, "estimate", "--world-size", "4", "--quiet", "--hbm", "80GiB",
+                       "--what-fits", "--megatron-args", f"@{args_file}")
+    assert code == 0 and "What would fit" not in out
+    assert out.rstrip().endswith("--what-fits: every rank fits already, so no change was "
+                                 "re-estimated (it tries changes only for a job that does not "
+                                 "fit).")
+
+
 def test_params_static_inventory_take_the_job(capsys, args_file):
     code, out, _ = run(capsys, "params", "--world-size", "4", "--json",
                        "--megatron-args", f"@{args_file}")
