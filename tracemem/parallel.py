@@ -113,6 +113,19 @@ def _multiples(n: int, of: int) -> str:
     return f"{below} or {below + of}" if below else str(of)
 
 
+def _pp_hint(world_size: int, other: int, pp: int) -> str:
+    """", or --pp A or B": the PPs either side of ``pp`` that divide ``world_size`` with the
+    ``other`` degrees (TP x CP, or ETP x EP), where the world size is given (a recipe's, a
+    launcher's) and PP is what was changed; "" where none does."""
+    if world_size % other:
+        return ""
+    room = world_size // other
+    near = [max((d for d in range(1, pp) if room % d == 0), default=None),
+            min((d for d in range(pp + 1, room + 1) if room % d == 0), default=None)]
+    near = [d for d in near if d is not None]
+    return f", or --pp {' or '.join(map(str, near))}" if near else ""
+
+
 def _count(n: int, word: str, plural: str | None = None) -> str:
     return f"{n} {word if n == 1 else plural or word + 's'}"
 
@@ -220,13 +233,15 @@ class ParallelConfig:
             raise TracememError(
                 f"--world-size {self.world_size} is not a multiple of tp({self.tp}) * "
                 f"cp({self.cp}) * pp({self.pp}) = {dense}; DP would not be an integer; try "
-                f"{_multiples(self.world_size, dense)}")
+                f"--world-size {_multiples(self.world_size, dense)}"
+                f"{_pp_hint(self.world_size, self.tp * self.cp, self.pp)}")
         expert = self.etp * self.ep * self.pp
         if self.world_size % expert:
             raise TracememError(
                 f"--world-size {self.world_size} is not a multiple of etp({self.etp}) * "
                 f"ep({self.ep}) * pp({self.pp}) = {expert}; EDP would not be an integer; try "
-                f"{_multiples(self.world_size, expert)}")
+                f"--world-size {_multiples(self.world_size, expert)}"
+                f"{_pp_hint(self.world_size, self.etp * self.ep, self.pp)}")
         object.__setattr__(self, "dp", self.world_size // dense)
         object.__setattr__(self, "edp", self.world_size // expert)
         self._check_optimizer_instances()

@@ -197,7 +197,7 @@ def test_what_fits_re_estimates_each_change(tiny, fitted):
     # world 4 at TP 2 has no room for PP 4: skipped with the validator's message
     assert by_change["--pp 4 --num-microbatches 8"].skipped == (
         "--world-size 4 is not a multiple of tp(2) * cp(1) * pp(4) = 8; DP would not be an "
-        "integer; try 8")
+        "integer; try --world-size 8, or --pp 2")
     tried = [c for c in candidates if c.skipped is None]
     assert tried == sorted(tried, key=lambda c: (not c.fits, c.worst_peak_bytes))
     data = get_estimate(base, candidates)

@@ -62,10 +62,11 @@ def test_tp_must_divide_the_vocabulary_under_the_paper_plan_and_the_hidden_size(
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    # 1000 / (8 x 16) = 7.8: the nearest multiples of 128 are 896 and 1024
+    # 1000 / (8 x 16) = 7.8: the nearest multiples of 128 are 896 and 1024; or, the world
+    # size given, the PPs nearest 16 that divide 1000 / 8 = 125: 5 and 25
     (dict(world_size=1000, tp=8, pp=16, ep=8, pp_layout=(4,) * 15 + (1,)),
      r"--world-size 1000 is not a multiple of tp\(8\) \* cp\(1\) \* pp\(16\) = 128; DP would "
-     r"not be an integer; try 896 or 1024"),
+     r"not be an integer; try --world-size 896 or 1024, or --pp 5 or 25$"),
     # a TP that divides no head count is said before the world size (no world size helps)
     (dict(world_size=1024, tp=3, pp=16, ep=8, pp_layout=(4,) * 15 + (1,)),
      r"--tp 3 must divide num_attention_heads \(128\); try 1, 2, 4, 8"),
@@ -82,7 +83,7 @@ def test_tp_must_divide_the_vocabulary_under_the_paper_plan_and_the_hidden_size(
      "--etp 2 needs --ep > 1"),
     (dict(world_size=64, tp=2, pp=16, ep=8, pp_layout=(4,) * 15 + (1,)),
      r"--world-size 64 is not a multiple of etp\(1\) \* ep\(8\) \* pp\(16\) = 128; EDP would "
-     r"not be an integer; try 128"),
+     r"not be an integer; try --world-size 128, or --pp 8$"),
     (dict(world_size=1024, tp=1, sp=True, pp=16, pp_layout=(4,) * 15 + (1,)),
      "--sp needs --tp > 1"),
     (dict(world_size=1024, tp=2, pp=16), r"61 layers do not divide into pp \* vpp = 16 stages; "
