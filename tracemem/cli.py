@@ -1205,8 +1205,8 @@ def _run_estimate(args: argparse.Namespace) -> str:
     started = time.time()
     result = estimate(job, progress=progress, trace_cache=cache, snapshot=args.snapshot,
                       plot=args.plot)
-    if progress:
-        progress.done()
+    if progress:  # piped, a log that shows a stage ends with the last one ("16/16")
+        progress.done(held=True)
     _say_written(args, started)
     fits = None
     if args.what_fits and any(r.fits is False for r in result.ranks):
@@ -1215,7 +1215,7 @@ def _run_estimate(args: argparse.Namespace) -> str:
         # the re-estimates write no snapshot or plot (those are the job's as given)
         fits = what_fits(result, progress=progress, trace_cache=cache)
     if progress:
-        progress.done()
+        progress.done(held=True)
     if args.json:
         from tracemem.report import get_estimate
 
