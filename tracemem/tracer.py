@@ -88,8 +88,8 @@ class _Storage:
         self.dtype = tensor.dtype
         self.shape = tuple(tensor.shape)
         self.ref = None
-        # a module-state slot (MemoryTracer.retain): the storage is also held by its module
-        # until the slot's next storage is made (a later microbatch's forward); None: not
+        # a slot (MemoryTracer.retain): the storage is also held past its traced free, by
+        # its module or (a "pp." slot) by Megatron's 1F1B loop; None: not
         self.retain = None
 
 
@@ -491,14 +491,17 @@ class MemoryTracer(TorchDispatchMode):
                 rec.module = module
 
     def retain(self, tensor: Tensor | None, slot: str) -> None:
-        """Mark the storage of ``tensor`` (born in the traced region) as module state kept in
-        ``slot`` (a name unique to the module, e.g. ``"layers.3.dispatcher.probs"``): the
-        module holds it beyond the trace's own lifetime, until the module makes the slot's
-        next storage (Megatron-Core's MoE token dispatchers keep the routing probabilities,
-        maps and permutation map as attributes until the layer's next forward). The trace is
-        unchanged (the storage is freed where the traced code drops it); the schedule replay
-        (``tracemem.estimator.replay_events``) keeps it until the slot's next storage is
-        allocated, or to the end of the replay."""
+        """Mark the storage of ``tensor`` (born in the traced region) as held in ``slot``
+        beyond the trace's own lifetime. Module state: a name unique to the module (the MoE
+        dispatchers' ``"moe3.dispatcher.probs"``, ``modeling.common.moe``: Megatron-Core's
+        token dispatchers keep the routing probabilities, maps and permutation map as
+        attributes until the layer's next forward), held until the slot's next storage is
+        allocated, or to the end of the replay. ``"pp.input"``, ``"pp.output"``,
+        ``"pp.input_grad"``, ``"pp.output_grad"`` (``tracemem.estimator._trace_fb``): the
+        pipeline tensors Megatron's 1F1B loop keeps, held only where the job runs that loop
+        (``Segments.megatron_1f1b``). The trace is unchanged (the storage is freed where the
+        traced code drops it); the schedule replay (``tracemem.estimator.replay_events``)
+        applies the slot."""
         if tensor is None:
             return
         rec = self._live.get(tensor.untyped_storage()._cdata)

@@ -456,12 +456,13 @@ def interleaved_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[
     if [name for name, _ in refs] != list(steps):
         raise TracememError(f"schedule {case.name}: Megatron-Core's steps are not the "
                             f"interleaved schedule the residue models")
-    rows_by_name = {r.tensor: r for r in SCHEDULE_RESIDUE}
-    inv_freq, labels, scalars = (
-        "RoPE inv_freq [d_r / 2] fp32, per MLA layer",
-        "labels (and, first stage, token ids) int64 [b, s] per microbatch in flight",
-        "total_num_tokens int32 [] and the MoE aux-loss scale fp32 [1]")
-    assert {inv_freq, labels, scalars} <= set(rows_by_name)
+    inv_freq, labels, scalars = SCHEDULE_RESIDUE[:3]  # evaluated per chunk below
+
+    def dims(chunk: int, inflight: int = 0) -> _StepDims:
+        # the rank's chunk as if it were a stage of its own (the rows above read these)
+        return _StepDims("F", chunk == 0 and case.rank == 0, False, 0, False, inflight,
+                         hidden, tokens, len(chunks[chunk]), rope)
+
     ran: set[int] = set()
     inflight: set[tuple[int, int]] = set()
     out = []
@@ -475,10 +476,9 @@ def interleaved_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[
         else:
             inflight.discard((c, mb))
         rows = {
-            inv_freq: sum(4 * (rope // 2) * len(chunks[x]) for x in ran),
-            labels: -sum(8 * tokens * (2 if x == 0 and case.rank == 0 else 1)
-                         for x, _ in inflight),
-            scalars: 4 + 4,
+            inv_freq.tensor: sum(inv_freq.bytes(dims(x)) for x in ran),
+            labels.tensor: sum(labels.bytes(dims(x, 1)) for x, _ in inflight),
+            scalars.tensor: scalars.bytes(dims(c)),
             "RoPE's cache [s, 1, 1, d_r] fp32 of layers whose chunk has not run a forward yet":
                 -sum(4 * tokens * rope * len(chunks[x]) for x in range(case.vpp)
                      if x not in ran),
