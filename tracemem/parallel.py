@@ -113,17 +113,21 @@ def _multiples(n: int, of: int) -> str:
     return f"{below} or {below + of}" if below else str(of)
 
 
-def _pp_hint(world_size: int, other: int, pp: int) -> str:
-    """", or --pp A or B": the PPs either side of ``pp`` that divide ``world_size`` with the
-    ``other`` degrees (TP x CP, or ETP x EP), where the world size is given (a recipe's, a
-    launcher's) and PP is what was changed; "" where none does."""
+def _world_hint(world_size: int, dense: int, expert: int, pp: int) -> str:
+    """"try --world-size A or B, or --pp C or D": the world sizes either side of
+    ``world_size`` that both TP x CP x PP (``dense``) and ETP x EP x PP (``expert``) divide, and
+    the PPs either side of ``pp`` that divide ``world_size`` with the other degrees (where the
+    world size is the given one: a recipe's, a launcher's); the PPs only where some does."""
+    both = math.lcm(dense, expert)
+    hint = f"try --world-size {_multiples(world_size, both)}"
+    other = math.lcm(dense // pp, expert // pp)  # TP x CP and ETP x EP
     if world_size % other:
-        return ""
+        return hint
     room = world_size // other
     near = [max((d for d in range(1, pp) if room % d == 0), default=None),
             min((d for d in range(pp + 1, room + 1) if room % d == 0), default=None)]
     near = [d for d in near if d is not None]
-    return f", or --pp {' or '.join(map(str, near))}" if near else ""
+    return hint + (f", or --pp {' or '.join(map(str, near))}" if near else "")
 
 
 def _count(n: int, word: str, plural: str | None = None) -> str:
@@ -229,19 +233,17 @@ class ParallelConfig:
             raise TracememError(f"--plan {self.plan!r} is invalid; choose one of "
                                 f"{', '.join(PLANS)}")
         dense = self.tp * self.cp * self.pp
+        expert = self.etp * self.ep * self.pp
         if self.world_size % dense:
             raise TracememError(
                 f"--world-size {self.world_size} is not a multiple of tp({self.tp}) * "
-                f"cp({self.cp}) * pp({self.pp}) = {dense}; DP would not be an integer; try "
-                f"--world-size {_multiples(self.world_size, dense)}"
-                f"{_pp_hint(self.world_size, self.tp * self.cp, self.pp)}")
-        expert = self.etp * self.ep * self.pp
+                f"cp({self.cp}) * pp({self.pp}) = {dense}; DP would not be an integer; "
+                f"{_world_hint(self.world_size, dense, expert, self.pp)}")
         if self.world_size % expert:
             raise TracememError(
                 f"--world-size {self.world_size} is not a multiple of etp({self.etp}) * "
-                f"ep({self.ep}) * pp({self.pp}) = {expert}; EDP would not be an integer; try "
-                f"--world-size {_multiples(self.world_size, expert)}"
-                f"{_pp_hint(self.world_size, self.etp * self.ep, self.pp)}")
+                f"ep({self.ep}) * pp({self.pp}) = {expert}; EDP would not be an integer; "
+                f"{_world_hint(self.world_size, dense, expert, self.pp)}")
         object.__setattr__(self, "dp", self.world_size // dense)
         object.__setattr__(self, "edp", self.world_size // expert)
         self._check_optimizer_instances()

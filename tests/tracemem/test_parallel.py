@@ -67,6 +67,11 @@ def test_tp_must_divide_the_vocabulary_under_the_paper_plan_and_the_hidden_size(
     (dict(world_size=1000, tp=8, pp=16, ep=8, pp_layout=(4,) * 15 + (1,)),
      r"--world-size 1000 is not a multiple of tp\(8\) \* cp\(1\) \* pp\(16\) = 128; DP would "
      r"not be an integer; try --world-size 896 or 1024, or --pp 5 or 25$"),
+    # the world sizes suggested satisfy the expert degrees too: lcm(3, 64 x 3) = 192, so 1920
+    # or 2112 (2046 would fail EDP next); PPs 2 or 4 divide 2048 / lcm(TP, EP) = 32
+    (dict(world_size=2048, tp=1, pp=3, ep=64),
+     r"--world-size 2048 is not a multiple of tp\(1\) \* cp\(1\) \* pp\(3\) = 3; DP would not "
+     r"be an integer; try --world-size 1920 or 2112, or --pp 2 or 4$"),
     # a TP that divides no head count is said before the world size (no world size helps)
     (dict(world_size=1024, tp=3, pp=16, ep=8, pp_layout=(4,) * 15 + (1,)),
      r"--tp 3 must divide num_attention_heads \(128\); try 1, 2, 4, 8"),
