@@ -972,6 +972,30 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
         index += 1
 
 
+class _RenameAlive:
+    """``replay_schedule``'s second pass as a ``ReplaySink`` with no state of its own (its
+    state and counters are those of no sink, so the replay skips exactly where the first
+    pass's did): at a skip it renames the storages alive it is rebuilding, as the replay
+    renames its own held storages, so the frees after the skip find them."""
+
+    def __init__(self, alive: dict) -> None:
+        self.alive = alive
+
+    def cheap_state(self) -> None:
+        return None
+
+    def state(self, canon) -> None:
+        return None
+
+    def counters(self) -> tuple[int, ...]:
+        return ()
+
+    def skip(self, rename, cycles: int, per_cycle: tuple[int, ...]) -> None:
+        moved = {rename(key): event for key, event in self.alive.items()}
+        self.alive.clear()
+        self.alive.update(moved)
+
+
 def replay_schedule(steps: list[Step], pp: int, segments: Segments,
                     base_bytes: int, chunk_index: Callable[[int], int] | None = None,
                     periodic: bool = True) -> ReplayPeak:
@@ -998,8 +1022,10 @@ def replay_schedule(steps: list[Step], pp: int, segments: Segments,
     peak_live: dict[tuple[int, int, int], MemoryEvent] = {}
     inflight_at_peak = 0
     if peak_n is not None:
+        renamer = _RenameAlive(peak_live)
         for _, key, action, _, event in islice(
-                replay_events(steps, pp, segments, chunk_index, periodic=periodic), peak_n + 1):
+                replay_events(steps, pp, segments, chunk_index, periodic=periodic,
+                              sink=renamer), peak_n + 1):
             if action == "alloc":
                 peak_live[key] = event
             else:

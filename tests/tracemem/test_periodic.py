@@ -260,3 +260,25 @@ def test_a_sink_renames_held_module_state_with_the_replay():
     # as in the full replay
     assert held == replay(None)
     assert any(e.retain for events in last.segments.events.values() for e in events)
+
+
+def test_what_is_alive_at_a_peak_after_a_skip_is_renamed_with_it():
+    # DualPipe under full recompute, 40 microbatches: the middle ranks peak at step 79, after
+    # skipped cycles, with storages held across the skip. replay_schedule's second pass
+    # rebuilds what is alive at the peak; it must rename what it holds at the skip as the
+    # replay does (_RenameAlive), or the frees after it miss and the categories, the largest
+    # storages and their microbatches count storages already freed.
+    job = Job.create("deepseek-tiny", world_size=8, ep=2, pp=4, num_microbatches=40,
+                     micro_batch_size=1, seq_length=16, schedule="dualpipe", recompute="full")
+    place = _placement(job)
+    middle = [one for one in trace_classes(job, rank_classes(job), TraceCache())
+              if one.unit.stage in (1, 2)]
+    for one in middle:
+        def chunk(v, stage=one.unit.stage):
+            return place.chunk_index(stage, v)
+
+        short = replay_schedule(one.steps, 4, one.segments, 1000, chunk)
+        assert short.step_index == 79
+        assert short == replay_schedule(one.steps, 4, one.segments, 1000, chunk,
+                                        periodic=False)
+        assert sum(short.by_category.values()) == short.peak_bytes - 1000
