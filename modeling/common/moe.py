@@ -647,8 +647,8 @@ class MoE(nn.Module):
         communication, ``explicit_expert_comm``) and ``torch.cat`` of their outputs, a new
         ``(rows, h)`` buffer (the per-expert outputs die with it: ``CatBackward0`` keeps
         sizes)."""
-        if isinstance(self.experts, GroupedExperts):
-            return self.experts(tokens, [], probs_col)
+        if isinstance(self.experts, GroupedExperts):  # counts: each expert quantised apart
+            return self.experts(tokens, counts, probs_col)
         gated, act = self.cfg.gated_mlp, self.cfg.hidden_act
         k = self.kernels
 
