@@ -618,6 +618,7 @@ class Job:
         put(self, "kernel_options", dict(self.kernel_options or {}))
         _check_op_recompute(self, par)
         _check_fp8_moe_act_cache(self)
+        _check_fp8_dispatch(self, par)
         check_optimizer(self.optimizer, par)
         if not self.optimizer_cpu_offload:  # its flags alone would change nothing: say so
             for flag, given in (("--optimizer-offload-fraction",
@@ -869,6 +870,48 @@ def _check_fp8_moe_act_cache(job) -> None:
     if job.recompute != "selective" or "moe_act" not in job.recompute_modules:
         raise TracememError("kernel option fp8_moe_act_cache caches moe_act's input in FP8: "
                             "give --recompute selective --recompute-modules moe_act")
+
+
+def _check_fp8_dispatch(job, par) -> None:
+    """The megatron-te option ``fp8_dispatch`` (DeepSeek-V3's FP8 dispatch,
+    ``modeling.kernels.fp8_dispatch``) is modelled on Megatron's alltoall dispatcher with TE's
+    fused permute and grouped experts, under blockwise FP8 (the 1x128 tiles of arXiv
+    2412.19437 3.3.2), with the experts not tensor-split and more than one EP rank (else no
+    all-to-all carries anything).
+
+    Raises:
+        TracememError: the first of these not met, naming the flag to change.
+    """
+    options = job.profile.options
+    if not options.get("fp8_dispatch"):
+        return
+    name = "kernel option fp8_dispatch (DeepSeek-V3's FP8 dispatch)"
+    if not job.config.is_moe:
+        raise TracememError(f"{name} needs an MoE model; {job.config.name} has no experts")
+    if job.profile.fp8_recipe != "blockwise":
+        raise TracememError(f"{name} sends 1x128-tile FP8 tokens: give --fp8-format and "
+                            f"--fp8-recipe blockwise")
+    checks = (
+        (par.ep > 1, "EP 1 sends no tokens over an all-to-all: give --ep > 1"),
+        (par.etp == 1, f"the experts' tensor-parallel gather is not modelled with it: give "
+                       f"--etp 1 (not {par.etp})"),
+        (options.get("moe_token_dispatcher") == "alltoall",
+         "it is modelled on the alltoall dispatcher: give --moe-token-dispatcher-type "
+         "alltoall"),
+        (bool(options.get("moe_permute_fusion")),
+         "it is modelled on TE's fused permute: give --moe-permute-fusion"),
+        (job.experts != "sequential", "it feeds the grouped experts' fc1: give --experts "
+                                      "grouped (or auto)"),
+        (job.config.hidden_size % 128 == 0,
+         f"DeepEP's FP8 dispatch needs the hidden size to be a multiple of 128 (one scale "
+         f"per 1x128 tile); it is {job.config.hidden_size}"),
+        (not job.fine_grained_activation_offloading and not job.cpu_offloading_num_layers,
+         "activation offloading of its FP8 payloads is not modelled: drop "
+         "--fine-grained-activation-offloading / --cpu-offloading-num-layers"),
+    )
+    for ok, why in checks:
+        if not ok:
+            raise TracememError(f"{name}: {why}")
 
 
 def _check_activation_offload(job: Job, par) -> tuple[frozenset[str], int] | None:

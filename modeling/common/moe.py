@@ -20,6 +20,8 @@ from modeling.common.checkpoint import CheckpointWithoutOutput, megatron_checkpo
 from modeling.common.config import ModelConfig
 from modeling.kernels import KernelProfile, get_profile
 from modeling.common.linear import Linear
+from modeling.kernels import fp8_dispatch
+from modeling.kernels.fp8_dispatch import Payload
 from modeling.kernels.moe import masked_select
 from modeling.common.mlp import MLP, _ACTIVATIONS
 from modeling.parallel.collectives import active_tracer, all_gather, all_to_all, reduce_scatter
@@ -57,14 +59,16 @@ class GroupedExperts(nn.Module):
         if gated:
             self.w3 = declare(nn.Parameter(torch.empty(num_experts, inter_dim, dim)), fc1)
 
-    def forward(self, x: Tensor, counts: list[int], probs: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, counts: list[int], probs: Tensor | None = None,
+                wires: tuple | None = None) -> Tensor:
         """``x`` ``(rows, h)`` sorted by expert, ``counts`` rows per local expert; under a
         Megatron profile ``probs`` ``(rows, 1)`` are applied after the activation (TE
         ``GroupedLinear`` fc1 over [w1; w3] or w1, the activation, fc2)."""
         fc1 = [self.w1, self.w3] if self.gated else [self.w1]
         if self.kernels is not None and self.kernels.orchestration == "megatron":
             return _megatron_experts(self.kernels, x, probs, fc1, [self.w2],
-                                     self.gated, self.activation, self.recompute_act, counts)
+                                     self.gated, self.activation, self.recompute_act, counts,
+                                     wires)
         offsets = torch.tensor(_cumsum(counts), dtype=torch.int32, device=x.device)
         if self.recompute_act:  # moe_act: the activation product under CheckpointWithoutOutput
             gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)
@@ -85,7 +89,8 @@ class GroupedExperts(nn.Module):
 
 def _megatron_experts(k: KernelProfile, x: Tensor, probs: Tensor, fc1: list[Tensor],
                       fc2: list[Tensor], gated: bool = True, activation: str = "silu",
-                      recompute_act: bool = False, counts: list[int] | None = None) -> Tensor:
+                      recompute_act: bool = False, counts: list[int] | None = None,
+                      wires: tuple | None = None) -> Tensor:
     """Megatron-Core's ``TEGroupedMLP.forward`` (megatron/core/transformer/moe/experts.py at
     Megatron-LM d98e8a6): grouped fc1 ``(rows, 2 * inter)`` (gated) or ``(rows, inter)``,
     the activation with the probabilities ``probs`` ``(rows, 1)``, grouped fc2 ``(rows, h)``.
@@ -107,20 +112,26 @@ def _megatron_experts(k: KernelProfile, x: Tensor, probs: Tensor, fc1: list[Tens
     unpadded last; with ``recompute_act`` fc2 keeps its bf16 input
     (``set_save_original_input(self.linear_fc2)``). With the megatron-te option
     ``fp8_moe_act_cache`` (DeepSeek-V3's scheme, not Megatron's) the checkpoint keeps fc1's
-    output as an FP8 cache instead of bf16 (``_fp8_cache``), dequantised for the recompute."""
+    output as an FP8 cache instead of bf16 (``_fp8_cache``), dequantised for the recompute.
+    ``wires`` (the option ``fp8_dispatch``: ``modeling.kernels.fp8_dispatch``): the payloads
+    carrying ``x`` (a placeholder then) into fc1 and the output gradient into fc2; the
+    padding moves them."""
     inter, h = fc2[0].shape[-1], fc2[0].shape[-2]
     fp8 = getattr(k, "fp8_recipe", "none") != "none" and counts is not None
     extra = {"counts": counts} if fp8 else {}
+    wire_in, wire_grad = wires or (None, None)
+    fc1_wire = {} if wire_in is None else {"wire_in": wire_in}
+    fc2_wire = {} if wire_grad is None else {"wire_grad": wire_grad}
     unpad = None
     if fp8:
-        x, probs, padded = k.fp8_pad(x, probs, counts)
+        x, probs, padded = k.fp8_pad(x, probs, counts, wire_in)
         if padded != list(counts):
             unpad, extra = counts, {"counts": padded}
     # fine-grained activation offloading (modeling.common.offload): the expert_fc1 group
     # around fc1, committed on its output releasing fc1's input; the moe_act group around the
     # activation, committed after fc2 releasing fc1's output (experts.py TEGroupedMLP.forward)
     with offload.group("expert_fc1", x) as x:
-        hidden = k.grouped_linear(x, fc1, (2 if gated else 1) * inter, **extra)
+        hidden = k.grouped_linear(x, fc1, (2 if gated else 1) * inter, **extra, **fc1_wire)
     hidden = offload.commit(hidden, "expert_fc1", [x])
     del x
     if recompute_act and fp8 and k.options.get("fp8_moe_act_cache"):
@@ -129,24 +140,24 @@ def _megatron_experts(k: KernelProfile, x: Tensor, probs: Tensor, fc1: list[Tens
         with offload.group("moe_act", hidden) as hidden:
             act = ckpt.checkpoint(run, hidden, probs)
         run.cache_and_drop(hidden)  # the FP8 cache made, fc1's bf16 output freed
-        out = k.grouped_linear(act, fc2, h, **extra, save_original_input=True)
+        out = k.grouped_linear(act, fc2, h, **extra, save_original_input=True, **fc2_wire)
         ckpt.discard_output_and_register_recompute(out)
     elif recompute_act:
         ckpt = CheckpointWithoutOutput()
         with offload.group("moe_act", hidden) as hidden:
             act = ckpt.checkpoint(lambda y, p: _weighted_activation(k, y, p, gated,
                                                                     activation), hidden, probs)
-        out = k.grouped_linear(act, fc2, h, **extra, **(
+        out = k.grouped_linear(act, fc2, h, **extra, **fc2_wire, **(
             {"save_original_input": True} if fp8 else {}))
         ckpt.discard_output_and_register_recompute(out)
     else:
         with offload.group("moe_act", hidden) as hidden:
             act = _weighted_activation(k, hidden, probs, gated, activation)
-        out = k.grouped_linear(act, fc2, h, **extra)
+        out = k.grouped_linear(act, fc2, h, **extra, **fc2_wire)
     del act
     out = offload.commit(out, "moe_act", [hidden])
     del hidden
-    return out if unpad is None else k.fp8_unpad(out, unpad)
+    return out if unpad is None else k.fp8_unpad(out, unpad, wire_grad)
 
 
 def fp8_cached_swiglu(k: KernelProfile, fc1: Tensor):
@@ -498,14 +509,23 @@ class MoE(nn.Module):
         # The variables below live as long as their namesakes in MoELayer.forward's
         # custom_forward (transformer/moe/moe_layer.py): the permuted tokens and the tokens
         # received by the all-to-all until the layer's output is made.
-        hidden_states, permuted_probs, row_id_map = k.permute(x, probs, slots,  # (slots, h)
-                                                              routing_map)
+        # the option fp8_dispatch: the tokens leave and the output gradient arrives in FP8
+        wires = (Payload(), Payload()) if k.options.get("fp8_dispatch") else None
+        if wires is not None:  # quantised, then permuted: hidden_states is a placeholder
+            hidden_states, permuted_probs, row_id_map = fp8_dispatch.permute(
+                x, probs, slots, routing_map.shape[1], wires[0])
+        else:
+            hidden_states, permuted_probs, row_id_map = k.permute(x, probs, slots,  # (slots,
+                                                                  routing_map)  # h)
         # dispatch_preprocess: self.probs, self.routing_map and (from permute) self.reversed_
         # local_input_permutation_mapping, kept on the dispatcher until the layer's next forward
         self._keep_on_dispatcher(probs=probs, routing_map=routing_map, row_id_map=row_id_map)
         del routing_map
         # token_dispatch: all-to-all of the tokens (an identity Node at EP 1, as Megatron's)
-        dispatched = _collective(all_to_all, hidden_states, self.ep, rows // self.etp)
+        if wires is not None:  # the payload's all-to-all (EP > 1: Job checks)
+            dispatched, _ = fp8_dispatch.hop(hidden_states, rows // self.etp, "a2a", wires[0])
+        else:
+            dispatched = _collective(all_to_all, hidden_states, self.ep, rows // self.etp)
         if overlap:  # linear_fc1_forward_and_act, ordered after the tokens' all-to-all
             fc1_out = shared.w1(shared_in, fused=(shared.w3,))
             del shared_in
@@ -521,8 +541,11 @@ class MoE(nn.Module):
         # and of the probabilities (custom_forward rebinds `probs`: the permuted ones go)
         permuted_probs = _collective(all_to_all, permuted_probs, self.ep, rows // self.etp)
         out = self._routed_experts_megatron(dispatched, permuted_probs, probs.dtype, x.dtype,
-                                            counts)
-        out = _collective(all_to_all, out, self.ep, slots)  # token_combine
+                                            counts, wires)
+        if wires is not None:  # token_combine in bf16; its backward moves the FP8 gradient
+            out, _ = fp8_dispatch.hop(out, slots, "a2a", bwd=wires[1])
+        else:
+            out = _collective(all_to_all, out, self.ep, slots)  # token_combine
         if overlap:  # linear_fc2_forward, post_forward_comm (or reduce_from_tensor_model_...)
             _mark_first(out)
             fc2_out = shared.w2(shared_h)
@@ -530,7 +553,10 @@ class MoE(nn.Module):
                 shared_ckpt.discard_output_and_register_recompute(fc2_out)
             shared_out = _mark_first(_collective(reduce_scatter, fc2_out, shared.sp, 1))
             del shared_h, fc2_out
-        y = k.unpermute(out, row_id_map, tokens).view(shape)  # (b, s_local, h)
+        if wires is not None:  # in backward the gradient is quantised and permuted here
+            y = fp8_dispatch.unpermute(out, row_id_map, tokens, wires[1]).view(shape)
+        else:
+            y = k.unpermute(out, row_id_map, tokens).view(shape)  # (b, s_local, h)
         if overlap:
             if self.shared_expert_gate is not None:  # get_output
                 shared_out = shared_out * gate_score
@@ -610,33 +636,39 @@ class MoE(nn.Module):
                 tracer.retain(tensor, f"moe{self.layer_id}.dispatcher.{name}")
 
     def _routed_experts_megatron(self, tokens: Tensor, probs: Tensor, probs_dtype, dtype,
-                                 counts: list[int]) -> Tensor:
+                                 counts: list[int], wires: tuple | None = None) -> Tensor:
         """``MoELayer.routed_experts_compute``: ``dispatch_postprocess`` (gather over expert
         TP, chunk sort), the experts, ``combine_preprocess`` (chunk unsort, then the expert-TP
         reduce-scatter in ``probs_dtype``, cast back to ``dtype``). ``tokens`` ``(rows /
-        ETP, h)`` received; returns ``(rows / ETP, h)``."""
+        ETP, h)`` received; returns ``(rows / ETP, h)``. ``wires``: the option
+        ``fp8_dispatch``'s payloads, which the sort and the unsort move."""
         k = self.kernels
         if self.etp > 1:  # dispatch_postprocess: gather over the expert-TP group
             tokens = all_gather(tokens, self.etp, dim=0)
             probs = all_gather(probs, self.etp, dim=0)
         several = len(self.expert_ids) > 1
-        if several:  # sort the received chunks by local expert
+        if several and wires is not None:  # sort the received payload by local expert
+            tokens, probs = fp8_dispatch.hop(tokens, tokens.shape[0], "sort", wires[0],
+                                             probs=probs)
+        elif several:  # sort the received chunks by local expert
             tokens, probs = k.sort_chunks(tokens, probs)
         probs_col = probs.unsqueeze(-1)  # (rows, 1)
-        expert_output = self._experts_megatron(tokens, probs_col, counts)  # (rows, h)
+        expert_output = self._experts_megatron(tokens, probs_col, counts, wires)  # (rows, h)
         # dispatched_input and permuted_probs stay bound in routed_experts_compute through
         # combine_preprocess (the unsort, fp32 cast and reduce-scatter): it matters where
         # nothing saved them, in the no_grad forward of full or moe recompute
         out = expert_output
-        if several:  # combine_preprocess: unsort
+        if several and wires is not None:  # combine_preprocess: unsort (in backward the
+            out, _ = fp8_dispatch.hop(out, out.shape[0], "sort", bwd=wires[1])  # payload)
+        elif several:  # combine_preprocess: unsort
             out, _ = k.sort_chunks(out)
         if self.etp > 1:  # reduce-scatter in the probabilities' dtype
             out = reduce_scatter(out.to(probs_dtype), self.etp, dim=0).to(dtype)
         return out
 
 
-    def _experts_megatron(self, tokens: Tensor, probs_col: Tensor, counts: list[int]
-                          ) -> Tensor:
+    def _experts_megatron(self, tokens: Tensor, probs_col: Tensor, counts: list[int],
+                          wires: tuple | None = None) -> Tensor:
         """The local experts on ``tokens`` ``(rows, h)`` sorted by expert, ``counts`` rows
         each, probabilities ``probs_col`` ``(rows, 1)``: ``TEGroupedMLP`` (grouped experts)
         or Megatron's ``SequentialMLP`` (``--moe-grouped-gemm`` off; megatron/core/
@@ -648,7 +680,10 @@ class MoE(nn.Module):
         ``(rows, h)`` buffer (the per-expert outputs die with it: ``CatBackward0`` keeps
         sizes)."""
         if isinstance(self.experts, GroupedExperts):  # counts: each expert quantised apart
-            return self.experts(tokens, counts, probs_col)
+            return self.experts(tokens, counts, probs_col, wires)
+        if wires is not None:
+            raise TracememError("kernel option fp8_dispatch feeds the grouped experts' fc1; "
+                                "these experts are sequential (--experts grouped)")
         gated, act = self.cfg.gated_mlp, self.cfg.hidden_act
         k = self.kernels
 

@@ -148,17 +148,30 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     Backward: the output gradient split-quantised with both usages, one ``(rows, in)`` dgrad,
     weight gradients into ``main_grad`` (or one per weight without fusion); under
     ``save_original_input`` the saved bf16 input is split-quantised again for the wgrad
-    (per-tensor FP8 with both usages, the others column-wise)."""
+    (per-tensor FP8 with both usages, the others column-wise).
+
+    DeepSeek-V3's FP8 dispatch (``modeling.kernels.fp8_dispatch``, megatron-te option
+    ``fp8_dispatch``): with ``wire_in`` (fc1) the input arrives as an FP8 payload, is not
+    quantised again and is kept row-wise for the wgrad, converted to a column-wise copy in
+    backward; with ``wire_grad`` (fc2) the output gradient arrives as one, its row-wise data
+    feeding the dgrad and a column-wise copy converted for the wgrad (a deferred W step keeps
+    both, as TE keeps both usages of a gradient it quantised)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, out_features: int, fuse_wgrad: bool, recipe: str, arch: str,
-                counts: tuple[int, ...], save_original: bool, *weights: Tensor):
+                counts: tuple[int, ...], save_original: bool, wire_in, wire_grad,
+                *weights: Tensor):
         ctx.fuse_wgrad, ctx.recipe, ctx.arch, ctx.counts = fuse_wgrad, recipe, arch, counts
-        ctx.save_original = save_original
+        ctx.save_original, ctx.wire_in, ctx.wire_grad = save_original, wire_in, wire_grad
         ctx.in_shape = tuple(x.shape)
         # TE's CPU offloading (modeling.common.cpu_offload): no bulk allocation (forward and
         # the backward's re-quantisation: disable_bulk_allocation=cpu_offloading)
         ctx.bulk = not cpu_offload.enabled()
+        if wire_in is not None:  # the FP8 dispatch's payload: no quantisation, kept row-wise
+            saved = list(wire_in.take())
+            ctx.num_saved = len(saved)
+            ctx.save_for_backward(*saved, *weights)
+            return x.new_empty((x.shape[0], out_features))
         inputs = fp8.split_quantize(x, list(counts), recipe, arch, True, not save_original,
                                     bulk=ctx.bulk)
         out = x.new_empty((x.shape[0], out_features))
@@ -180,7 +193,13 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         tensors = list(ctx.saved_tensors)
         recipe, arch, counts = ctx.recipe, ctx.arch, list(ctx.counts)
-        grads = fp8.split_quantize(grad, counts, recipe, arch, True, True, role="grad")
+        if ctx.wire_grad is not None:  # the FP8 combine-backward's payload: the row-wise data
+            # for the dgrad, a column-wise (128x1) copy converted from it for the wgrad
+            grads = [*ctx.wire_grad.take(), *[t for q in fp8.split_quantize(
+                grad, counts, recipe, arch, False, True, role="grad") for t in q.tensors]]
+        else:
+            grads = [t for q in fp8.split_quantize(grad, counts, recipe, arch, True, True,
+                                                   role="grad") for t in q.tensors]
         if ctx.save_original:
             x, *weights = tensors
         else:
@@ -188,21 +207,24 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         dgrad = grad.new_empty(ctx.in_shape)
         if ctx.save_original:
             per = fp8.per_tensor(recipe)
-            inputs = fp8.split_quantize(x, counts, recipe, arch, per, True, bulk=ctx.bulk)
+            inputs = [t for q in fp8.split_quantize(x, counts, recipe, arch, per, True,
+                                                    bulk=ctx.bulk) for t in q.tensors]
             del x
+        elif ctx.wire_in is not None:  # the kept payload converted to 128x1 tiles for the
+            # wgrad (arXiv 2412.19437 3.3.3); the payload dies with the saved tensors
+            inputs = [t for q in fp8.split_quantize(dgrad, counts, recipe, arch, False, True,
+                                                    bulk=ctx.bulk) for t in q.tensors]
         else:
             inputs = tensors[:ctx.num_saved]
         del tensors
         store = current_store()
         if store is not None:
-            flat = [t for q in inputs for t in q.tensors] if ctx.save_original else inputs
-            store.append(((*flat, *[t for q in grads for t in q.tensors]), weights,
-                          ctx.fuse_wgrad))
+            store.append(((*inputs, *grads), weights, ctx.fuse_wgrad))
             wgrads = [None] * len(weights)
         else:
             wgrads = [None if ctx.fuse_wgrad else torch.empty_like(w) for w in weights]
         del inputs, grads
-        return (dgrad, None, None, None, None, None, None, *wgrads)
+        return (dgrad, None, None, None, None, None, None, None, None, *wgrads)
 
 
 class _Fp8Padding(torch.autograd.Function):
@@ -228,13 +250,16 @@ def te_fp8_pad(x: Tensor, rows: int) -> Tensor:
 def te_grouped_linear(x: Tensor, weights: list[Tensor], out_features: int,
                       fuse_wgrad: bool = True, fp8_recipe: str = "none",
                       fp8_arch: str = "sm90", counts: list[int] | None = None,
-                      save_original_input: bool = False) -> Tensor:
+                      save_original_input: bool = False, wire_in=None,
+                      wire_grad=None) -> Tensor:
     """TE GroupedLinear on ``x`` ``(rows, in)`` sorted by expert; ``weights`` are the local
     experts' weights (any layout: only their gradients' shapes are used); returns
     ``(rows, out_features)``. Under an FP8 recipe (``fp8_recipe``, ``fp8_arch``:
     ``modeling.kernels.fp8``) each expert's ``counts`` rows are quantised apart
     (``_Fp8GroupedLinear``); ``counts`` None: the rows split evenly over the leading
-    dimension of ``weights[0]`` (the local experts), the remainder on the first."""
+    dimension of ``weights[0]`` (the local experts), the remainder on the first.
+    ``wire_in`` / ``wire_grad``: FP8-dispatch payloads (``modeling.kernels.fp8_dispatch``)
+    carrying the input / the output gradient, under an FP8 recipe only."""
     if counts is None:
         n = weights[0].shape[0] if weights[0].dim() == 3 else len(weights)
         counts = [x.shape[0] // n] * n
@@ -244,7 +269,8 @@ def te_grouped_linear(x: Tensor, weights: list[Tensor], out_features: int,
                                     (x.shape[0],) if save_original_input else tuple(counts),
                                     *weights)
     return _Fp8GroupedLinear.apply(x, out_features, fuse_wgrad, fp8_recipe, fp8_arch,
-                                   tuple(counts), save_original_input, *weights)
+                                   tuple(counts), save_original_input, wire_in, wire_grad,
+                                   *weights)
 
 
 # --- Megatron's unfused token permutation (no --moe-permute-fusion) -------------------------

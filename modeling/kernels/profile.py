@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from modeling.kernels import activations, attention, linear, loss, moe, norm, rope, router, swiglu
-from modeling.kernels import context_parallel, fp8
+from modeling.kernels import context_parallel, fp8, fp8_dispatch
 from modeling.kernels import dropout as dropouts
 from modeling.common.rope import apply_rope
 from tracemem.errors import TracememError
@@ -98,6 +98,13 @@ MEGATRON_TE_OPTIONS = {
                                   "with --num-layers-at-end-in-bf16: the last layers run "
                                   "without FP8"),
     # DeepSeek-V3's own scheme (not a Megatron-LM flag): --recipe deepseek-v3
+    "fp8_dispatch": ((False, True), False,
+                     "DeepSeek-V3 (arXiv 2412.19437 3.3.3, 'Low-Precision Communication'): "
+                     "under blockwise FP8 the alltoall dispatcher's tokens travel to the "
+                     "experts as FP8 with fp32 1x128 scales (DeepEP's dispatch tuple), fc1 "
+                     "consuming them unquantised, and the output gradient travels back to "
+                     "the experts the same way; the combine and the tokens' gradient stay "
+                     "bf16 (modeling.kernels.fp8_dispatch)"),
     "fp8_moe_act_cache": ((False, True), False,
                           "DeepSeek-V3 (arXiv 2412.19437 3.3.3, 'Low-Precision Storage'): with "
                           "--recompute-modules moe_act under FP8, the routed and the shared "
@@ -395,10 +402,12 @@ class MegatronTEKernels(KernelProfile):
         return moe.megatron_unpermute(x, row_id_map, tokens)
 
     def grouped_linear(self, x, weights, out_features, counts=None,
-                       save_original_input=False):
+                       save_original_input=False, wire_in=None, wire_grad=None):
         """TE GroupedLinear (``moe.te_grouped_linear``) on ``x`` sorted by expert,
         ``counts`` rows per local expert (each quantised apart under FP8);
-        ``save_original_input``: Megatron's ``moe_act`` recompute keeps fc2's bf16 input.
+        ``save_original_input``: Megatron's ``moe_act`` recompute keeps fc2's bf16 input;
+        ``wire_in`` / ``wire_grad``: the option ``fp8_dispatch``'s payloads
+        (``modeling.kernels.fp8_dispatch``).
 
         Raises:
             TracememError: ``save_original_input`` under delayed scaling (TE's
@@ -412,7 +421,7 @@ class MegatronTEKernels(KernelProfile):
                                 "with save_original_input\"); use another --fp8-recipe")
         return moe.te_grouped_linear(x, weights, out_features, self.fuse_wgrad,
                                      self.fp8_recipe, self.fp8_arch, counts,
-                                     save_original_input)
+                                     save_original_input, wire_in, wire_grad)
 
     @property
     def fp8_align(self) -> int:
@@ -420,18 +429,24 @@ class MegatronTEKernels(KernelProfile):
         ``get_fp8_align_size``: 32 for mxfp8, else 16)."""
         return 32 if self.fp8_recipe == "mxfp8" else 16
 
-    def fp8_pad(self, x, probs, counts):
+    def fp8_pad(self, x, probs, counts, wire=None):
         """Megatron's ``quantization_padding`` (TE ``Fp8Padding``) of the expert input ``x``
         ``(rows, h)`` and ``probs`` ``(rows, 1)``: returns them padded and the padded counts
-        (``moe.te_fp8_pad``; unchanged when every count is aligned)."""
+        (``moe.te_fp8_pad``; unchanged when every count is aligned). ``wire``: the option
+        ``fp8_dispatch``'s payload carrying ``x``, padded in its place
+        (``fp8_dispatch.hop``)."""
         padded = [-(-c // self.fp8_align) * self.fp8_align for c in counts]
         if padded == list(counts):
             return x, probs, list(counts)
-        return (moe.te_fp8_pad(x, sum(padded)),
-                None if probs is None else moe.te_fp8_pad(probs, sum(padded)), padded)
+        x = (moe.te_fp8_pad(x, sum(padded)) if wire is None
+             else fp8_dispatch.hop(x, sum(padded), "pad", wire)[0])
+        return x, None if probs is None else moe.te_fp8_pad(probs, sum(padded)), padded
 
-    def fp8_unpad(self, out, counts):
-        """TE ``Fp8Unpadding`` of the experts' output back to ``sum(counts)`` rows."""
+    def fp8_unpad(self, out, counts, wire_grad=None):
+        """TE ``Fp8Unpadding`` of the experts' output back to ``sum(counts)`` rows; with
+        ``wire_grad`` (``fp8_dispatch``) its backward pads the gradient's payload."""
+        if wire_grad is not None:
+            return fp8_dispatch.hop(out, sum(counts), "pad", bwd=wire_grad)[0]
         return moe.te_fp8_pad(out, sum(counts))
 
     def loss(self, logits, labels, tp):

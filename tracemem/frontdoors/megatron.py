@@ -1224,6 +1224,10 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
         if options.get("fp8_moe_act_cache"):
             _no("kernel option fp8_moe_act_cache (DeepSeek-V3's FP8 cache of the SwiGLU "
                 "input, arXiv 2412.19437 3.3.3)")
+        if options.get("fp8_dispatch"):
+            _no("kernel option fp8_dispatch (DeepSeek-V3's FP8 dispatch, arXiv 2412.19437 "
+                "3.3.3; Megatron's own --moe-dispatch-fwd-dtype mxfp8 is the flex "
+                "dispatcher's)")
         if fusion == "native":
             out += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]
         elif fusion != "none":
