@@ -1307,9 +1307,10 @@ def _override_note(args: argparse.Namespace) -> str:
                                        f"{', '.join(yours)}" if yours else ""))
         lines.append("Assumed where the paper is silent:")
         lines += [f"- {a}" for a in recipe.assumptions]
-        lines.append("Approximated (the paper's FP8 scheme where tracemem does not trace it as "
-                     "written):")
-        lines += [f"- {a}" for a in recipe.approximations]
+        if recipe.approximations:
+            lines.append("Approximated (the paper's FP8 scheme where tracemem does not trace "
+                         "it as written):")
+            lines += [f"- {a}" for a in recipe.approximations]
     door = getattr(args, "front_door", "Megatron-LM")  # "torchtitan" from _torchtitan_job
     if getattr(args, "overrides", None):
         defaulted = getattr(args, "defaulted", ())

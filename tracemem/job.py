@@ -619,6 +619,11 @@ class Job:
         _check_op_recompute(self, par)
         _check_fp8_moe_act_cache(self)
         _check_fp8_dispatch(self, par)
+        if self.profile.options.get("e5m6_attention_output") \
+                and self.profile.fp8_recipe != "blockwise":
+            raise TracememError("kernel option e5m6_attention_output (DeepSeek-V3's E5M6 cache "
+                                "of the attention output, 1x128 tiles) needs --fp8-format and "
+                                "--fp8-recipe blockwise")
         check_optimizer(self.optimizer, par)
         if not self.optimizer_cpu_offload:  # its flags alone would change nothing: say so
             for flag, given in (("--optimizer-offload-fraction",

@@ -66,12 +66,15 @@ _DEEPSEEK_V3 = (
      f"3.3.3: the SwiGLU's output recomputed in backward (moe_act, the routed experts')"),
     ("kernels", "megatron-te", "the profile that runs FP8 (modeling/kernels/fp8.py)"),
     ("kernel_options", {"fp8_recipe": "blockwise", "fp8_format": "e4m3",
-                        "fp8_moe_act_cache": True, "fp8_dispatch": True},
+                        "fp8_moe_act_cache": True, "fp8_dispatch": True,
+                        "e5m6_attention_output": True},
      f"{_V3} 3.3.1-3.3.2: FP8 GEMMs with 1x128 activation tiles and 128x128 weight blocks "
      f"(TE Float8BlockScaling), E4M3 on all tensors; 3.3.3: the SwiGLU's input cached in "
      f"FP8 (fp8_moe_act_cache); the activation before the MoE up-projections and the "
      f"gradient before the down-projections dispatched in FP8, the combine in BF16 "
-     f"(fp8_dispatch: modeling/kernels/fp8_dispatch.py, DeepEP's FP8 dispatch tuple)"),
+     f"(fp8_dispatch: modeling/kernels/fp8_dispatch.py, DeepEP's FP8 dispatch tuple); "
+     f"the input of the linear after attention cached in E5M6 with 1x128 scales "
+     f"(e5m6_attention_output)"),
     ("seq_length", 4096, f"{_V3} 4.2: maximum sequence length 4K in pre-training"),
     ("global_batch_size", 15360, f"{_V3} 4.2: batch size ramped to 15360 (the value it holds)"),
     ("micro_batch_size", 1, "assumption: the paper gives no micro-batch size"),
@@ -94,6 +97,15 @@ RECIPES = {
             "not DP-sharded), pageable host memory; section 3.2.3 says only 'stored in CPU "
             "memory and updated asynchronously after each training step'",
             "routing balanced: the auxiliary-loss-free balancing of section 2.1.2",
+            "SwiGLU inputs cached in FP8 (3.3.3 names those 'in MoE'): the routed and the "
+            "shared experts' (fp8_moe_act_cache); the three dense layers' SwiGLU, outside the "
+            "MoE, keep Megatron's bf16 input",
+            "E5M6 (3.3.3: the input of the linear after attention, also read by "
+            "attention's backward): each 12-bit value in a 16-bit container, 2 B, the bf16 "
+            "storage Megatron's linear_proj and attention already share (one cache for both "
+            "backwards; packing two values in 3 B would keep a quarter less), and one fp32 "
+            "scale per 1x128 tile (3.3.2's scales are fp32; these are powers of two and "
+            "would fit in 1 B), kept until linear_proj's backward",
             "FP8 dispatch (3.3.3): the payload is DeepEP's (deepseek-ai/DeepEP ebfe47e "
             "Buffer.dispatch: float8_e4m3fn values and one fp32 scale per 1x128 tile) on "
             "Megatron's alltoall dispatcher, one row per (token, expert) slot (DeepEP sends "
@@ -101,16 +113,7 @@ RECIPES = {
             "for its weight gradient and converts it to 128x1 tiles in backward, as 3.3.3 "
             "says of the attention output's cached input",
         ),
-        approximations=(
-            "E5M6 input of the linear after attention (3.3.3): traced as Megatron keeps "
-            "linear_proj's input under blockwise, in bf16 (set_save_original_input, 2 B a "
-            "value: the 16-bit container a 12-bit value takes, assumed); the 1x128 scales of "
-            "an E5M6 tensor (4 B per 128 values) are not traced",
-            "SwiGLU inputs cached in FP8, outputs recomputed in backward (3.3.3, 'in MoE'): "
-            "traced for the routed and the shared experts (fp8_moe_act_cache); the three "
-            "dense layers' SwiGLU, outside the MoE, keep Megatron's bf16 input (assumed: the "
-            "paper names the MoE's)",
-        )),
+        approximations=()),
 }
 
 

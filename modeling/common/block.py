@@ -88,8 +88,9 @@ class Block(nn.Module):
         # Megatron's set_save_original_input on linear_proj (attention.py Attention.__init__)
         # and the shared experts' linear_fc1 (shared_experts.py, unless they are recomputed:
         # set_recompute); the profile honours it under FP8 recipes other than delayed
-        if isinstance(getattr(self.attn, "wo", None), Linear):
-            self.attn.wo.save_original_input = True
+        if isinstance(getattr(self.attn, "wo", None), Linear):  # "e5m6": DeepSeek-V3's cache
+            e5m6 = kernels is not None and kernels.options.get("e5m6_attention_output")
+            self.attn.wo.save_original_input = "e5m6" if e5m6 else True
         self._mark_shared_fc1(True)
 
     def _mark_shared_fc1(self, save_original: bool | str) -> None:

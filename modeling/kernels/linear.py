@@ -123,7 +123,7 @@ class _TEFp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, mode: str, sp: int, norm_weight: Tensor | None,
                 norm_bias: Tensor | None, fuse_wgrad: bool, num_biases: int, recipe: str,
-                arch: str, save_original: bool, *tensors: Tensor) -> Tensor:
+                arch: str, save_original: bool | str, *tensors: Tensor) -> Tensor:
         weights = tensors[:len(tensors) - num_biases]
         ctx.biases = tensors[len(weights):]
         ctx.mode, ctx.sp, ctx.fuse_wgrad = mode, sp, fuse_wgrad
@@ -163,6 +163,9 @@ class _TEFp8Linear(torch.autograd.Function):
         ctx.save_original = save_original
         if save_original:  # the bf16 input itself is saved; its FP8 copy dies here
             saved = [x]
+            if save_original == "e5m6":  # DeepSeek-V3's E5M6 cache: its 1x128 scales too
+                saved.append(torch.empty((*x.shape[:-1], -(-x.shape[-1] // fp8.BLOCK_LEN)),
+                                         dtype=torch.float32, device=x.device))
             ctx.input_parts = None
         else:
             usage = fp8.saved_input_usage(recipe, arch, gathered)
@@ -265,7 +268,7 @@ def _fp8_gather(q: "fp8.Quantized", sp: int, rowwise: bool, columnwise: bool) ->
 def te_linear(x: Tensor, weights: list[Tensor], mode: str = "duplicated", sp: int = 1,
               norm: nn.Module | None = None, fuse_wgrad: bool = True,
               biases: list[Tensor] = (), fp8_recipe: str = "none", fp8_arch: str = "sm90",
-              save_original_input: bool = False) -> Tensor:
+              save_original_input: bool | str = False) -> Tensor:
     """A TE linear on this rank's ``x`` ``(b, s_local, in)``.
 
     Args:
@@ -285,7 +288,12 @@ def te_linear(x: Tensor, weights: list[Tensor], mode: str = "duplicated", sp: in
             the input, its gathers and the output gradient become quantised tensors
             (``_TEFp8Linear``); ``fp8_arch`` "sm90" (Hopper) or "sm100" (Blackwell).
         save_original_input: under FP8, keep the bf16 input for backward instead of its FP8
-            copy (Megatron's ``set_save_original_input``; ignored by ``LayerNormLinear``).
+            copy (Megatron's ``set_save_original_input``; ignored by ``LayerNormLinear``);
+            "e5m6": DeepSeek-V3's E5M6 cache of the attention output (arXiv 2412.19437 3.3.3,
+            the megatron-te option ``e5m6_attention_output``): the input kept as the 16-bit
+            container of its 12-bit values (the bf16 input's storage, which attention saves
+            too: one cache serves both backwards) and one fp32 scale per 1x128 tile beside
+            it, ``(..., ceil(in / 128))``, freed with the input after this backward.
 
     Raises:
         ValueError: unknown mode (an internal error: modules pass constants).

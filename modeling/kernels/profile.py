@@ -98,6 +98,14 @@ MEGATRON_TE_OPTIONS = {
                                   "with --num-layers-at-end-in-bf16: the last layers run "
                                   "without FP8"),
     # DeepSeek-V3's own scheme (not a Megatron-LM flag): --recipe deepseek-v3
+    "e5m6_attention_output": ((False, True), False,
+                              "DeepSeek-V3 (arXiv 2412.19437 3.3.3, 'Low-Precision "
+                              "Storage'): under blockwise FP8 the input of the linear after "
+                              "attention, also read by attention's backward, is cached in "
+                              "E5M6 with 1x128 scales: kept as the 16-bit container of its "
+                              "12-bit values (the bf16 storage Megatron's linear_proj and "
+                              "attention already share) plus one fp32 scale per tile "
+                              "(modeling.kernels.linear.te_linear)"),
     "fp8_dispatch": ((False, True), False,
                      "DeepSeek-V3 (arXiv 2412.19437 3.3.3, 'Low-Precision Communication'): "
                      "under blockwise FP8 the alltoall dispatcher's tokens travel to the "
@@ -341,7 +349,9 @@ class MegatronTEKernels(KernelProfile):
         ``set_save_original_input``, honoured under FP8 only, as TE): True where Megatron
         sets it for recipes other than delayed (``fp8_save_original_input``); "recompute"
         where it sets it under any FP8 recipe (``--recompute-modules layernorm``:
-        ``set_for_recompute_input_layernorm`` / ``_pre_mlp_layernorm``).
+        ``set_for_recompute_input_layernorm`` / ``_pre_mlp_layernorm``); "e5m6" on
+        attention's ``linear_proj`` under the option ``e5m6_attention_output``
+        (``linear.te_linear``).
 
         Raises:
             TracememError: "recompute" under delayed scaling (TE's ``_linear_forward_impl``
@@ -356,6 +366,8 @@ class MegatronTEKernels(KernelProfile):
                                 "--fp8-recipe")
         keep = recipe != "none" and (save_original_input == "recompute" or (
             bool(save_original_input) and self.fp8_save_original_input))
+        if keep and save_original_input == "e5m6":  # e5m6_attention_output: linear_proj
+            keep = "e5m6"
         return linear.te_linear(x, weights, mode, sp, norm_module, self.fuse_wgrad, biases,
                                 recipe, self.fp8_arch, keep)
 

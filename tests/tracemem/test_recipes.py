@@ -19,6 +19,8 @@ def test_deepseek_v3_fields_are_the_papers():
     assert f["recompute_modules"] == ("layernorm", "mla_up_proj", "moe_act")
     assert f["kernel_options"]["fp8_recipe"] == "blockwise"  # 3.3: 1x128 / 128x128
     assert f["kernel_options"]["fp8_moe_act_cache"] is True  # 3.3.3: its input in FP8
+    assert f["kernel_options"]["fp8_dispatch"] is True  # 3.3.3: FP8 dispatch, BF16 combine
+    assert f["kernel_options"]["e5m6_attention_output"] is True  # 3.3.3: E5M6
     assert f["precision"] == "deepseek-v3"  # 3.3.3: bf16 moments, fp32 master + grads
     assert f["seq_length"] == 4096 and f["global_batch_size"] == 15360  # 4.2
     assert f["ema"] == "host"  # 3.2.3: EMA in CPU
@@ -45,4 +47,33 @@ def test_deepseek_v3_mtp_sharing_is_honoured_not_approximated():
 
     recipe = RECIPES["deepseek-v3"]
     assert not [a for a in recipe.approximations if "MTP" in a]
+    assert recipe.approximations == ()  # every element of 3.3's FP8 scheme is traced
     assert "MTP shares them" in recipe.sources["schedule"]
+
+
+def test_the_nearest_megatron_job_file_is_the_recipe_but_what_megatron_cannot_run():
+    # docs/examples/deepseek-v3-megatron.args: the recipe as Megatron-LM arguments, except
+    # what Megatron-LM has no argument for (docs/examples/deepseek-v3-as-trained.md)
+    from pathlib import Path
+
+    from tracemem.frontdoors.megatron import megatron_job
+    from tracemem.recipes import recipe_job
+
+    path = Path(__file__).parents[2] / "docs" / "examples" / "deepseek-v3-megatron.args"
+    argv = path.read_text().replace("\\\n", " ").split()
+    job = megatron_job(argv, world_size=2048, gpu="H800", hbm="80GB")
+    recipe = recipe_job("deepseek-v3")
+    for name in ("world_size", "tp", "pp", "ep", "etp", "zero", "recompute",
+                 "recompute_modules", "seq_length", "global_batch_size", "micro_batch_size",
+                 "pp_layout", "microbatches"):
+        assert getattr(job, name) == getattr(recipe, name), name
+    assert job.config.num_layers == recipe.config.num_layers == 61
+    assert job.profile.fp8_recipe == recipe.profile.fp8_recipe == "blockwise"
+    # what differs: DualPipe (Megatron-LM has 1F1B here), the EMA, DeepSeek's FP8 deltas,
+    # the fp32 master kept as bf16 + int16 remainders, Megatron's native cross entropy
+    assert (job.schedule, recipe.schedule) == ("1f1b", "dualpipe")
+    assert recipe.ema == "host" and job.ema in (None, "none")
+    assert not any(job.profile.options.get(o) for o in
+                   ("fp8_moe_act_cache", "fp8_dispatch", "e5m6_attention_output"))
+    assert job.parallel.precision_spec.store_param_remainders
+    assert not recipe.parallel.precision_spec.store_param_remainders

@@ -1224,6 +1224,9 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
         if options.get("fp8_moe_act_cache"):
             _no("kernel option fp8_moe_act_cache (DeepSeek-V3's FP8 cache of the SwiGLU "
                 "input, arXiv 2412.19437 3.3.3)")
+        if options.get("e5m6_attention_output"):
+            _no("kernel option e5m6_attention_output (DeepSeek-V3's E5M6 cache of the "
+                "attention output, arXiv 2412.19437 3.3.3)")
         if options.get("fp8_dispatch"):
             _no("kernel option fp8_dispatch (DeepSeek-V3's FP8 dispatch, arXiv 2412.19437 "
                 "3.3.3; Megatron's own --moe-dispatch-fwd-dtype mxfp8 is the flex "

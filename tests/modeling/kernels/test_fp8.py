@@ -159,6 +159,30 @@ def test_save_original_input_keeps_the_bf16_input_and_requantises_in_backward():
                         ((1, 64, 128), BF16, G)]
 
 
+def test_e5m6_cache_keeps_the_16_bit_input_and_its_1x128_scales():
+    # linear_proj under DeepSeek-V3's E5M6 cache (option e5m6_attention_output, blockwise):
+    # the input kept is the caller's bf16 x (1, 64, 128), the 16-bit container (not counted
+    # here: x is external), plus one fp32 scale per 1x128 tile: (1, 64, ceil(128 / 128)) =
+    # 64 x 4 = 256 B, made in forward after the output, kept until backward
+    forward, kept, backward = linear("blockwise", "sm90", save_original_input="e5m6")
+    assert forward[-1] == ((1, 64, 1), F32, A)
+    assert kept == [((1, 64, 1), F32)] and nbytes(kept) == 256
+    _, plain, plain_backward = linear("blockwise", "sm90", save_original_input=True)
+    assert plain == [] and plain_backward == backward
+
+
+def test_e5m6_cache_needs_blockwise_fp8():
+    from tracemem.job import Job
+
+    with pytest.raises(TracememError) as error:
+        Job.create("deepseek-tiny", world_size=8, ep=8, micro_batch_size=1, seq_length=64,
+                   num_microbatches=1, gpu="H100",
+                   kernel_options={"e5m6_attention_output": True, "fp8_recipe": "tensorwise"})
+    assert str(error.value) == ("kernel option e5m6_attention_output (DeepSeek-V3's E5M6 cache "
+                                "of the attention output, 1x128 tiles) needs --fp8-format and "
+                                "--fp8-recipe blockwise")
+
+
 def test_layernorm_linear_quantises_ln_out_through_a_bf16_copy():
     norm = torch.nn.RMSNorm(128, device="meta", dtype=BF16)
     x, w = leaf(1, 64, 128), leaf(256, 128)

@@ -177,7 +177,8 @@ def test_profiles_validate_names_and_options():
         # FP8 off by default (no GPU given: Hopper's layouts; tests/modeling/kernels/test_fp8.py)
         "fp8_recipe": "none", "fp8_format": "hybrid", "fp8_param_gather": False,
         "fp8_arch": "sm90", "fp8_amax_history_len": 1, "fp8_layers_at_start_in_bf16": 0,
-        "fp8_layers_at_end_in_bf16": 0, "fp8_dispatch": False, "fp8_moe_act_cache": False}
+        "fp8_layers_at_end_in_bf16": 0, "e5m6_attention_output": False, "fp8_dispatch": False,
+        "fp8_moe_act_cache": False}
     with pytest.raises(TracememError, match="--kernels 'te' is invalid; choose one of "
                                             "megatron-te, torch, eager"):
         get_profile("te")
