@@ -37,7 +37,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 from typing import NamedTuple
 
@@ -58,6 +58,7 @@ from modeling.parallel.pp import (
 )
 from modeling.common.routing import Counts, RoutingModel
 from tracemem.categories import Category, Phase
+from tracemem.schedules.megatron_refs import INTERLEAVED_REFERENCES
 from tracemem.errors import TracememError
 from tracemem.job import (  # noqa: F401  (re-exported: their home was here)
     MAX_EP_CLASSES,
@@ -228,6 +229,11 @@ class Segments:
     # its loop keeps to a finished microbatch's pipeline tensors (the "pp.*" slots
     # _trace_fb marks), honoured by replay_events; set per job (trace_classes), not traced
     megatron_1f1b: bool = False
+    # Megatron-Core's interleaved schedule: step name -> the pipeline tensors its loop holds
+    # while the step runs beyond the traced storages, (kind, bytes) each
+    # (tracemem.schedules.megatron_refs); replay_events holds them as storages of their own;
+    # set per rank (trace_classes), not traced
+    schedule_refs: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -685,7 +691,8 @@ def replay_signature(steps: list[Step], pp: int, segments: Segments,
     content_of: dict[tuple, int] = {}
     for run in {tuple(run) for run in played.values()}:
         ids: dict[int, int] = {}
-        fingerprint = (segments.transient_grads, segments.megatron_1f1b) + tuple(
+        fingerprint = (segments.transient_grads, segments.megatron_1f1b,
+                       tuple(sorted(segments.schedule_refs.items()))) + tuple(
             (key[1], tuple((e.action, e.nbytes, e.category, e.module, e.op, e.retain,
                             ids.setdefault(e.storage_id, len(ids)))
                            for e in segments.events[key])) for key in run)
@@ -700,6 +707,40 @@ def replay_signature(steps: list[Step], pp: int, segments: Segments,
         out.append((numbers.setdefault(mb, len(numbers)), at,
                     content_of[tuple(played[mb])]))
     return tuple(out)
+
+
+def _interleaved_refs(job: Job, rank: int) -> dict[str, tuple[tuple[str, int], ...]]:
+    """``Segments.schedule_refs`` of pipeline rank ``rank`` under Megatron-Core's interleaved
+    schedule (``tracemem.schedules.megatron_refs``): its pipeline tensors are this rank's
+    [s / CP / (TP with SP), b, h] bf16 receive buffers (``_trace_fb``'s ``recv_forward``)."""
+    from tracemem.schedules.megatron_refs import interleaved_reference_tensors
+
+    par = job.parallel
+    local = job.seq_length // par.cp // (par.tp if par.sp else 1)
+    hidden = job.micro_batch_size * local * job.config.hidden_size * 2
+    r = job.rounding  # each tensor its own storage, rounded as the tracer rounds
+
+    def rounded(n: int) -> int:
+        return n if r is None else -(-n // r) * r
+    return {step: tuple((kind, rounded(n)) for kind, n in tensors)
+            for step, tensors in interleaved_reference_tensors(par.pp, par.vpp,
+                                                               job.microbatches, rank, hidden)}
+
+
+_LOSSES = INTERLEAVED_REFERENCES[5]  # the losses in forward_data_store, kept after the loop
+
+
+class _ScheduleRef:
+    """The storage of a pipeline tensor Megatron's interleaved loop holds
+    (``Segments.schedule_refs``): what a ``MemoryEvent`` reads of its storage."""
+
+    __slots__ = ("sid", "nbytes", "category", "module", "device", "dtype", "shape", "retain")
+
+    def __init__(self, sid: int, nbytes: int, kind: str):
+        self.sid, self.nbytes = sid, nbytes
+        self.category = Category.COMM_BUFFER
+        self.module = f"pipeline schedule: {kind}"
+        self.device, self.dtype, self.shape, self.retain = "meta", torch.uint8, (nbytes,), None
 
 
 def replay_events(steps: list[Step], pp: int, segments: Segments,
@@ -724,6 +765,10 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
     marks outlive their backward as that loop's references keep them: the received input and
     the output's stand-in to the start of the next B step, the input gradient to its end, the
     output gradient to the next one's receive, all to the schedule's return (before "O").
+    With ``segments.schedule_refs`` (Megatron-Core's interleaved schedule) the pipeline
+    tensors its loop holds while a step runs are held as storages of their own (keys
+    ``("pp-ref", kind, bytes, i)``, category ``comm_buffer``), set before the step's own
+    events; after the schedule only its losses stay, through the optimizer step.
 
     With ``periodic``, the repeated stretches of the schedule (``tracemem.periodic``) are
     walked only until the replay's state (the storages held, and ``sink``'s own state when a
@@ -849,6 +894,36 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
             yield from play(index, target.stage, target.microbatch,
                             segments.events[tkey][a:b])
 
+    # Megatron's interleaved loop (Segments.schedule_refs): the pipeline tensors it holds
+    # while a step runs, as storages of their own (cached events, so periods compare equal)
+    refs = segments.schedule_refs
+    ref_events: dict[tuple, MemoryEvent] = {}
+    held_refs: set[tuple] = set()
+
+    def reference(index: int, step: Step) -> Iterator[ReplayedEvent]:
+        """Before ``step`` runs: free the tensors the loop no longer holds, allocate those it
+        now does; the optimizer step runs after the schedule has returned, which keeps only
+        its losses (forward_data_store)."""
+        want = refs.get(str(step), ()) if step.kind != "O" else tuple(
+            (kind, n) for kind, n, _ in (k[1:] for k in held_refs) if kind == _LOSSES)
+        target, seen = set(), {}
+        for kind, n in want:
+            i = seen[(kind, n)] = seen.get((kind, n), -1) + 1
+            target.add(("pp-ref", kind, n, i))
+        for key in sorted(held_refs - target):
+            held_refs.discard(key)
+            held = live.pop(key)
+            yield new(ReplayedEvent, (index, key, "free", held.nbytes, held))
+        for key in sorted(target - held_refs):
+            event = ref_events.get(key)
+            if event is None:
+                event = ref_events[key] = MemoryEvent(
+                    -1, "alloc", key[2], 0, Phase.FORWARD, None,
+                    _ScheduleRef(-1 - len(ref_events), key[2], key[1]))
+            held_refs.add(key)
+            live[key] = event
+            yield new(ReplayedEvent, (index, key, "alloc", event.nbytes, event))
+
     def run(index: int) -> Iterator[ReplayedEvent]:
         step = steps[index]
         key_of_step = key_of(step)
@@ -857,6 +932,8 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
             inner = play(index, step.stage, step.microbatch, events)
         else:
             inner = marked(index, step, key_of_step, events)
+        if refs:
+            inner = chain(reference(index, step), inner)
         return loop_step(index, step, inner) if locals_1f1b and step.kind != "F" else inner
 
     def marked(index: int, step: Step, key_of_step, events) -> Iterator[ReplayedEvent]:
@@ -1343,6 +1420,9 @@ def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
                                      lambda model, tracer, fb: _finish(job, model, tracer, fb))
         if job.schedule == "1f1b" and job.profile.orchestration == "megatron":
             segments = replace(segments, megatron_1f1b=True)  # the same events, shared
+        elif job.schedule == "interleaved-1f1b" and job.profile.orchestration == "megatron" \
+                and job.deallocate_pipeline_outputs:
+            segments = replace(segments, schedule_refs=_interleaved_refs(job, unit.stage))
         steps = job.steps[unit.stage]
         # the optimizer step after the schedule's last step, on the traced "O" segment
         first = next(s for s in steps if where.chunk_index(unit.stage, s.stage) == 0)

@@ -453,18 +453,20 @@ def test_the_interleaved_residue_by_hand(schedule_results):
     # chunk 0's inputs of microbatches 0 and 1 (in flight: tracemem holds them too), their
     # deallocated outputs (in flight), and 3B0's input (the local input_tensor and chunk 1's
     # TransformerBlock.input_tensor) with its .grad; microbatch 0's loss stays in
-    # forward_data_store
+    # forward_data_store. tracemem's replay holds those three (tracemem.schedules.
+    # megatron_refs, Segments.schedule_refs), so the residue is the per-chunk rows alone
     r = schedule_results[5]
     assert r.case == schedule_oracle.ScheduleCase(pp=2, vpp=2, num_microbatches=4, rank=1)
     assert r.megatron_steps[:4] == ["1F0", "1F1", "3F0", "3B0"]
     refs = schedule_oracle.INTERLEAVED_REFERENCES
+    held = dict(schedule_oracle.interleaved_references(2, 2, 4, 1, HIDDEN))
+    assert held["3B0"] == {refs[0]: HIDDEN, refs[1]: HIDDEN, refs[5]: 4}
     assert r.residue[3] == {
         "RoPE inv_freq [d_r / 2] fp32, per MLA layer": 2 * 4 * 4,
         "labels (and, first stage, token ids) int64 [b, s] per microbatch in flight": -2 * 128,
         "total_num_tokens int32 [] and the MoE aux-loss scale fp32 [1]": 8,
-        refs[0]: HIDDEN, refs[1]: HIDDEN, refs[5]: 4,
     }
-    assert r.live_bytes[3] - r.tracemem_bytes[3] == 3_884
+    assert r.live_bytes[3] - r.tracemem_bytes[3] == 32 - 256 + 8 == -216
     # before chunk 1's first forward tracemem already counts its layer's RoPE cache
     assert r.residue[0]["RoPE's cache [s, 1, 1, d_r] fp32 of layers whose chunk has not run a "
                         "forward yet"] == -16 * 8 * 4
@@ -503,16 +505,21 @@ def test_a_planted_schedule_difference_fails_the_command(monkeypatch):
 
 
 def test_a_wrong_interleaved_model_fails_the_schedule_bytes(monkeypatch):
-    # the hand model without the input gradients it holds: VPP's rank 1 must then fail
-    real = schedule_oracle.interleaved_references
+    # tracemem's model of the interleaved loop without the input gradients it holds: the
+    # replay then lacks them, and VPP's rank 1 must fail
+    from tracemem.schedules import megatron_refs
+
+    real = megatron_refs.interleaved_reference_tensors
     gradients = schedule_oracle.INTERLEAVED_REFERENCES[1]
 
     def without_gradients(*args):
-        return [(step, {k: v for k, v in rows.items() if k != gradients})
-                for step, rows in real(*args)]
-    monkeypatch.setattr(schedule_oracle, "interleaved_references", without_gradients)
+        return [(step, [t for t in tensors if t[0] != gradients])
+                for step, tensors in real(*args)]
+    monkeypatch.setattr(megatron_refs, "interleaved_reference_tensors", without_gradients)
     text, code = run_command(cases=(), static_cases=(),
                              schedule_cases=schedule_oracle.SCHEDULE_CASES[5:])
     assert code == 1
-    assert ("schedule PP2 VPP2 M4, rank 1: after 3B0 Megatron-Core holds 89,232 B, tracemem "
-            "85,348 B: +3,884 B; the residue explains +1,836 B") in text
+    # after the last backward the loop still holds three input gradients (3 x 2,048 B)
+    assert ("schedule PP2 VPP2 M4, rank 1: after 1B3 Megatron-Core holds 16,826 B, tracemem "
+            "10,642 B: +6,184 B; the residue explains +40 B") in text
+    assert 6_184 - 40 == 3 * HIDDEN

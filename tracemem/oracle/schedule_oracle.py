@@ -34,8 +34,9 @@ bytes alive after every step with tracemem's replay of the same job
 excluded, plus the RoPE frequencies ``tracemem.workspaces`` keeps from the first forward on):
 Megatron-Core minus tracemem must equal the residue at that step, to the byte
 (``step_residue``: ``SCHEDULE_RESIDUE``'s rows for 1F1B; for the interleaved schedule, the same
-rows per model chunk and ``interleaved_references``, a hand model of the pipeline tensors that
-schedule's lists and locals hold).
+rows per model chunk). The pipeline tensors the interleaved schedule's lists and locals hold are
+tracemem's own model (``tracemem.schedules.megatron_refs``, held by its replay), so this
+comparison holds that model to the byte.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from typing import Callable
 from unittest import mock
 
 import torch
+
+from tracemem.schedules.megatron_refs import INTERLEAVED_REFERENCES, interleaved_references
 
 __all__ = ["ScheduleCase", "SCHEDULE_CASES", "ScheduleResult", "SCHEDULE_RESIDUE",
            "ScheduleResidueRow", "INTERLEAVED_REFERENCES", "step_residue",
@@ -236,208 +239,15 @@ def step_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[str, in
     return out
 
 
-class _Ref:
-    """A pipeline tensor of ``interleaved_references``' model: "in" a received input, "ig"
-    its gradient, "og" a received output gradient, "out" a forward's output (whole until
-    deallocated; its autograd graph's AccumulateGrad Node holds ``inp``, the input)."""
-
-    def __init__(self, kind: str, chunk: int | None = None, mb: int | None = None):
-        self.kind, self.chunk, self.mb = kind, chunk, mb
-        self.deallocated = False
-        self.grad: _Ref | None = None
-        self.inp: _Ref | None = None
-
-
-# the kinds of interleaved_references' rows, in order
-INTERLEAVED_REFERENCES = (
-    "received inputs [s, b, h] bf16 the schedule holds that tracemem does not (received "
-    "before their forward, or kept after their backward)",
-    "input gradients [s, b, h] bf16 (the .grad of a kept input, the local input_tensor_grad)",
-    "received output gradients [s, b, h] bf16 the schedule holds that tracemem does not",
-    "outputs [s, b, h] bf16 still whole (deallocated after the send), less their stand-in",
-    "finished microbatches' output stand-ins (bf16 [1])",
-    "finished microbatches' losses fp32 [] in forward_data_store (last stage)",
-)
-
-
-def interleaved_references(pp: int, vpp: int, num_microbatches: int, rank: int,
-                           hidden: int) -> list[tuple[str, dict[str, int]]]:
-    """A hand model of what megatron-core 0.16.1's ``forward_backward_pipelining_with_
-    interleaving`` (no p2p overlap, ``microbatch_group_size_per_vp_stage`` = PP, training)
-    references at each of its forward and backward steps, less what tracemem's replay holds
-    then: per step (its ``tracemem.schedules`` name), ``INTERLEAVED_REFERENCES`` kind ->
-    bytes (``hidden``: one [s, b, h] pipeline tensor).
-
-    Read from ``pipeline_parallel/schedules.py``: ``get_schedule_table``,
-    ``get_pp_rank_microbatches`` (warm-up count), ``recv_tensor_from_previous_stage``,
-    ``forward_step_helper_preprocess`` (inputs taken from ``input_tensors[chunk]`` at
-    ``microbatch - num_released_microbatches``, kept there until the backward pops them;
-    ``forward_step`` sets the chunk's ``TransformerBlock.input_tensor``),
-    ``backward_step_helper_preprocess`` (the backward pops input, output and output gradient
-    into its locals), the warm-up, steady and cool-down loops (each communication receives the
-    next forward's input and the next backward's output gradient into the schedule's locals
-    and lists before they run; the steady step's forward output is held by the wrapper through
-    the backward and deallocated after the send; a local keeps the last input gradient sent).
-    A step is counted when ``forward_step`` / ``backward_step`` returns, as the oracle records
-    it. A tensor is alive while any of those references it, an input also while its output's
-    autograd graph does (its AccumulateGrad Node), its ``.grad`` while it is. tracemem's
-    replay holds, for each microbatch between its forward and its backward, the received input
-    (not on virtual stage 0) and the output's stand-in (not on the last virtual stage), or the
-    loss (the last)."""
-    group = pp
-    table: list[tuple[int, int]] = []  # (microbatch, chunk) per virtual microbatch
-    for lo in range(0, num_microbatches, group):
-        hi = num_microbatches if lo + group >= num_microbatches else lo + group
-        table += [(j, c) for c in range(vpp) for j in range(lo, hi)]
-    total = num_microbatches * vpp
-    warmup = (pp - rank - 1) * 2 + (vpp - 1) * group
-    all_warmup = warmup >= total
-    warmup = min(warmup, total)
-    steady = total - warmup
-    first_rank, last_rank = rank == 0, rank == pp - 1
-
-    def chunk(k: int, forward: bool) -> int:
-        c = table[k % total][1]
-        return c if forward else vpp - c - 1
-
-    def released(k: int, c: int) -> int:
-        return 0 if k < warmup else [x[1] for x in table[:k - warmup]].count(vpp - c - 1)
-
-    def first_v(c: int) -> bool:
-        return c == 0 and first_rank
-
-    def last_v(c: int) -> bool:
-        return c == vpp - 1 and last_rank
-
-    def receives(k: int, forward: bool) -> tuple[bool, int]:
-        leading = first_rank if forward else last_rank
-        if not leading:
-            return True, chunk(k + 1, forward)
-        nxt = chunk(k + 1 if k < pp - 1 else k - (pp - 1), forward)
-        recv = k >= pp - 1 and nxt != (vpp - 1 if forward else 0)
-        return recv, nxt + 1 if forward else nxt - 1
-
-    inputs: list[list] = [[] for _ in range(vpp)]
-    outputs: list[list] = [[] for _ in range(vpp)]
-    grads: list[list] = [[] for _ in range(vpp)]
-    local: dict[str, _Ref | None] = dict(input_tensor=None, output_tensor=None,
-                                         output_tensor_grad=None, input_tensor_grad=None)
-    block: list[_Ref | None] = [None] * vpp
-    inflight: set[tuple[int, int]] = set()
-    losses = [0]
-    out: list[tuple[str, dict[str, int]]] = []
-
-    def record(step: str, held: list) -> None:
-        roots = [x for lists in (inputs, outputs, grads) for lst in lists for x in lst]
-        roots += list(local.values()) + block + held
-        alive: dict[int, _Ref] = {}
-        stack = [x for x in roots if x is not None]
-        while stack:
-            t = stack.pop()
-            if id(t) in alive:
-                continue
-            alive[id(t)] = t
-            stack += [x for x in (t.grad, t.inp) if x is not None]
-        rows = dict.fromkeys(INTERLEAVED_REFERENCES, 0)
-        k_in, k_ig, k_og, k_whole, k_stand, k_loss = INTERLEAVED_REFERENCES
-        for t in alive.values():
-            flying = (t.chunk, t.mb) in inflight
-            if t.kind == "in" and not flying:
-                rows[k_in] += hidden
-            elif t.kind == "ig":
-                rows[k_ig] += hidden
-            elif t.kind == "og":
-                rows[k_og] += hidden
-            elif t.kind == "out" and not last_v(t.chunk):
-                if not t.deallocated:
-                    rows[k_whole] += hidden - (2 if flying else 0)
-                elif not flying:
-                    rows[k_stand] += 2
-        rows[k_loss] = 4 * losses[0]
-        out.append((step, {k: v for k, v in rows.items() if v}))
-
-    def forward(k: int, held: tuple = ()) -> _Ref:
-        c, j = chunk(k, True), table[k][0]
-        if first_v(c) and len(inputs[c]) == len(outputs[c]):
-            inputs[c].append(None)
-        x = inputs[c][j - released(k, c)]
-        if x is not None:
-            x.chunk, x.mb = c, j
-        block[c] = x
-        o = _Ref("out", c, j)
-        o.inp = x
-        inflight.add((c, j))
-        record(f"{c * pp + rank}F{j}", [x, o, *held])
-        outputs[c].append(o)
-        return o
-
-    def backward(k: int, held: tuple = ()) -> _Ref | None:
-        c = chunk(k, False)
-        if last_v(c) and not grads[c]:
-            grads[c].append(None)
-        x, o, g = inputs[c].pop(0), outputs[c].pop(0), grads[c].pop(0)
-        if x is not None:
-            x.grad = _Ref("ig", c, o.mb)
-        inflight.discard((c, o.mb))
-        losses[0] += last_v(c)
-        record(f"{c * pp + rank}B{o.mb}", [x, o, g, *held])
-        return x.grad if x is not None else None
-
-    inputs[0].append(None if first_v(0) else _Ref("in"))
-    for k in range(warmup):
-        recv, nxt = receives(k, True)
-        recv = recv and k != total - 1
-        o = forward(k)
-        local["output_tensor"] = None if last_v(chunk(k, True)) else o
-        if k == warmup - 1 and not all_warmup:
-            local["input_tensor_grad"] = None
-            local["input_tensor"] = _Ref("in") if recv else None
-            local["output_tensor_grad"] = None if last_rank else _Ref("og")
-            grads[vpp - 1].append(local["output_tensor_grad"])
-        else:
-            local["input_tensor"] = _Ref("in") if recv else None
-        if recv:
-            inputs[nxt].append(local["input_tensor"])
-        if local["output_tensor"] is not None:
-            local["output_tensor"].deallocated = True
-    for k in range(steady):
-        fk = k + warmup
-        o = forward(fk)
-        ig = backward(k, held=(o,))  # the wrapper holds the forward's output
-        local["output_tensor"] = None if last_v(chunk(fk, True)) else o
-        local["input_tensor_grad"] = None if first_v(chunk(k, False)) else ig
-        recv_prev, nxt_f = receives(fk, True)
-        recv_next, nxt_b = receives(k, False)
-        recv_prev = recv_prev and k != steady - 1
-        local["input_tensor"] = _Ref("in") if recv_prev else None
-        local["output_tensor_grad"] = _Ref("og") if recv_next else None
-        if local["output_tensor"] is not None:
-            local["output_tensor"].deallocated = True
-        if recv_prev:
-            inputs[nxt_f].append(local["input_tensor"])
-        if recv_next:
-            grads[nxt_b].append(local["output_tensor_grad"])
-    if all_warmup:
-        grads[vpp - 1].append(_Ref("og"))
-    for k in range(steady, total):
-        c = chunk(k, False)
-        recv, nxt = receives(k, False)
-        recv = recv and k != total - 1
-        ig = backward(k)
-        local["input_tensor_grad"] = None if first_v(c) else ig
-        local["output_tensor_grad"] = _Ref("og") if recv else None
-        if recv:
-            grads[nxt].append(local["output_tensor_grad"])
-    return out
-
-
 def interleaved_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[str, int]]:
     """The residue of an interleaved (VPP > 1) rank after each of ``steps``: per model chunk,
     ``SCHEDULE_RESIDUE``'s RoPE ``inv_freq`` row once the chunk has run a forward, tracemem's
     labels and token ids per microbatch in flight, the schedule
     scalars, RoPE's cache of the chunks whose first forward is still to come (negative:
     tracemem counts the rank's from its first forward, Megatron-Core's ``lru_cache`` fills per
-    layer), and ``interleaved_references``' pipeline tensors.
+    layer). The pipeline tensors the schedule's lists and locals hold
+    (``tracemem.schedules.megatron_refs``) are in tracemem's replay (``Segments.
+    schedule_refs``), so they are no residue: a fault in that model fails the comparison.
 
     Raises:
         TracememError: ``steps`` is not the schedule ``interleaved_references`` models.
@@ -466,7 +276,7 @@ def interleaved_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[
     ran: set[int] = set()
     inflight: set[tuple[int, int]] = set()
     out = []
-    for step, schedule_refs in refs:
+    for step, _ in refs:  # the pipeline tensors: tracemem's replay holds them too
         kind = "F" if "F" in step else "B"
         stage, mb = map(int, step.split(kind))
         c = stage // case.pp
@@ -482,7 +292,6 @@ def interleaved_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[
             "RoPE's cache [s, 1, 1, d_r] fp32 of layers whose chunk has not run a forward yet":
                 -sum(4 * tokens * rope * len(chunks[x]) for x in range(case.vpp)
                      if x not in ran),
-            **schedule_refs,
         }
         out.append({k: v for k, v in rows.items() if v})
     return out
