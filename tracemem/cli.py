@@ -587,16 +587,29 @@ def _fp8_kernel_options(args: argparse.Namespace) -> dict:
 
     if not hasattr(args, "fp8"):
         return {}
-    if args.fp8 is None:
-        typed = _fp8_argv(args)
-        if typed:
-            raise _fp8_without_format(typed[0])
-        return {}
     names = {record["dest"]: getattr(args, record["dest"])
              for record in _fp8_records().values()}
+    if args.fp8 is None:
+        typed = _fp8_argv(args)
+        recipe = getattr(args, "recipe", None)  # a recipe's FP8 format stands for the flag
+        fmt = None if recipe is None else _recipe_fp8_format(recipe)
+        if typed and fmt is None:
+            raise _fp8_without_format(typed[0])
+        if not typed:
+            return {}
+        names["fp8"] = fmt
     return fp8_options(argparse.Namespace(
         **names, use_distributed_optimizer=getattr(args, "zero", 1) != 0,
         use_megatron_fsdp=False, use_torch_fsdp2=False))
+
+
+def _recipe_fp8_format(name: str) -> str | None:
+    """The ``fp8_format`` recipe ``name`` sets, or None (an unknown name: the recipe's own
+    error comes later)."""
+    from tracemem.recipes import RECIPES
+
+    recipe = RECIPES.get(name)
+    return None if recipe is None else recipe.fields.get("kernel_options", {}).get("fp8_format")
 
 
 def _fp8_without_format(flag: str) -> TracememError:
@@ -1187,9 +1200,9 @@ def _run_estimate(args: argparse.Namespace) -> str:
             args.hbm = GPU_MEMORY[args.gpu][0]
             # as if typed: a Megatron-LM job takes tracemem's typed flags (_explicit)
             args.given = set(getattr(args, "given", set())) | {"hbm"}
-    if args.what_fits and args.hbm is None:
-        raise TracememError("--what-fits needs --hbm (e.g. --hbm 80GiB): the memory to fit in")
     job = job_from_args(args)
+    if args.what_fits and job.hbm is None:  # a --recipe may set it (deepseek-v3: 80GB)
+        raise TracememError("--what-fits needs --hbm (e.g. --hbm 80GiB): the memory to fit in")
     args.job = job  # _override_note names the recipe's values
     if args.print_megatron_args:
         from tracemem.frontdoors import to_megatron_args
@@ -1305,6 +1318,9 @@ def _override_note(args: argparse.Namespace) -> str:
         lines.append(f"--recipe {job.recipe} ({recipe.title}; sources: tracemem/recipes.py) "
                      f"set: {kept}" + (f"; your flags override: "
                                        f"{', '.join(yours)}" if yours else ""))
+        if job.recipe_off:
+            lines.append("Turned off by your flags (the recipe's kernel options, which have no "
+                         "flags of their own): " + "; ".join(job.recipe_off))
         lines.append("Assumed where the paper is silent:")
         lines += [f"- {a}" for a in recipe.assumptions]
         if recipe.approximations:

@@ -423,7 +423,9 @@ class Job:
         origin: the front door that built the job ("python", "flags", "megatron", "torchtitan");
             megatron_args: the Megatron-LM arguments as given (origin "megatron"), so answers
             can be printed in them.
-        recipe, recipe_fields: the named setup (``tracemem.recipes``) and the fields it set.
+        recipe, recipe_fields, recipe_off: the named setup (``tracemem.recipes``), the fields
+            it set, and its kernel options ``recipe_job`` turned off ("option: why"); a
+            ``recipe`` is recorded by ``tracemem.recipes.recipe_job``, which applies it.
         ema: "none", or "host": an fp32 EMA of the rank's parameters in host memory
             (``tracemem.offload.ema_host_bytes``; 0 device bytes).
 
@@ -513,6 +515,8 @@ class Job:
     # the named setup the job came from (tracemem.recipes.recipe_job), and its fields kept
     recipe: str | None = None
     recipe_fields: tuple[str, ...] = ()
+    # the recipe's kernel options recipe_job turned off, "option: why" each
+    recipe_off: tuple[str, ...] = ()
     # an EMA of the weights: "none", or "host" (DeepSeek-V3's, arXiv 2412.19437 3.2.3: kept
     # in CPU memory, 0 device bytes; its host bytes: tracemem.offload.ema_host_bytes)
     ema: str = "none"
@@ -619,6 +623,12 @@ class Job:
         _check_op_recompute(self, par)
         _check_fp8_moe_act_cache(self)
         _check_fp8_dispatch(self, par)
+        if self.profile.options.get("fp8_param_gather") and par.zero == 0:
+            raise TracememError("kernel option fp8_param_gather (--fp8-param-gather) needs "
+                                "Megatron's distributed optimizer: give --zero 1 or more "
+                                "(validate_args: \"--fp8-param-gather only supported with "
+                                "distributed optimizer, torch fsdp2, megatron fsdp, or "
+                                "inference mode\")")
         if self.profile.options.get("e5m6_attention_output") \
                 and self.profile.fp8_recipe != "blockwise":
             raise TracememError("kernel option e5m6_attention_output (DeepSeek-V3's E5M6 cache "
@@ -662,7 +672,18 @@ class Job:
         if self.recipe is not None and not isinstance(self.recipe, str):
             raise TracememError(f"--recipe {self.recipe!r} must be a recipe name "
                                 f"(tracemem.recipes.RECIPES)")
+        if self.recipe is not None and not self.recipe_fields:
+            from tracemem.recipes import RECIPES
+
+            raise TracememError(f"Job(recipe={self.recipe!r}) only records a recipe; apply one "
+                                f"with tracemem.recipes.recipe_job(name, **overrides) (recipes: "
+                                f"{', '.join(RECIPES)})")
+        if isinstance(self.recipe_off, str) or not isinstance(self.recipe_off, (tuple, list)) \
+                or not all(isinstance(f, str) for f in self.recipe_off):
+            raise TracememError(f"recipe_off {self.recipe_off!r} must be a tuple of strings "
+                                f"(tracemem.recipes.recipe_job sets it)")
         put(self, "recipe_fields", tuple(self.recipe_fields))
+        put(self, "recipe_off", tuple(self.recipe_off))
         if isinstance(self.gpu, str) and self.gpu.upper() in GPUS:
             put(self, "gpu", self.gpu.upper())  # "h100" is the H100, as the CLI takes it
         if self.gpu is not None and self.gpu not in GPUS:
@@ -901,10 +922,11 @@ def _check_fp8_dispatch(job, par) -> None:
         (par.etp == 1, f"the experts' tensor-parallel gather is not modelled with it: give "
                        f"--etp 1 (not {par.etp})"),
         (options.get("moe_token_dispatcher") == "alltoall",
-         "it is modelled on the alltoall dispatcher: give --moe-token-dispatcher-type "
-         "alltoall"),
+         "it is modelled on the alltoall dispatcher: kernel option moe_token_dispatcher "
+         "'alltoall' (Megatron's --moe-token-dispatcher-type alltoall)"),
         (bool(options.get("moe_permute_fusion")),
-         "it is modelled on TE's fused permute: give --moe-permute-fusion"),
+         "it is modelled on TE's fused permute: kernel option moe_permute_fusion True "
+         "(Megatron's --moe-permute-fusion)"),
         (job.experts != "sequential", "it feeds the grouped experts' fc1: give --experts "
                                       "grouped (or auto)"),
         (job.config.hidden_size % 128 == 0,

@@ -134,17 +134,47 @@ def recipe_fields(name: str) -> dict[str, Any]:
     return fields_
 
 
+def _deepseek_deltas_off(fields: dict, given: dict) -> dict[str, str]:
+    """The DeepSeek-V3 kernel options a recipe set (not given by the user) that the user's
+    other values leave without what they need -> why; ``recipe_job`` turns them off rather
+    than refuse the user's override (they have no flags of their own). ``fields``: the merged
+    Job keywords; ``given``: the user's kernel options."""
+    options = fields.get("kernel_options", {})
+    blockwise = options.get("fp8_recipe") == "blockwise"
+    needs = {
+        "fp8_dispatch": (blockwise and fields.get("ep", 1) > 1,
+                         "it needs --fp8-recipe blockwise" if not blockwise
+                         else "it needs EP > 1"),
+        "e5m6_attention_output": (blockwise, "it needs --fp8-recipe blockwise"),
+        "fp8_moe_act_cache": (options.get("fp8_recipe", "none") != "none"
+                              and fields.get("recompute") == "selective"
+                              and "moe_act" in fields.get("recompute_modules", ()),
+                              "it needs FP8 and --recompute selective with moe_act"),
+    }
+    return {option: why for option, (ok, why) in needs.items()
+            if options.get(option) and option not in given and not ok}
+
+
 def recipe_job(name: str, **overrides):
     """The ``Job`` of recipe ``name`` with ``overrides`` (``Job`` keywords) winning;
     ``kernel_options`` given are merged over the recipe's. ``Job.recipe`` is ``name`` and
-    ``Job.recipe_fields`` the recipe's fields that were kept.
+    ``Job.recipe_fields`` the recipe's fields that were kept. A DeepSeek-V3 kernel option the
+    recipe sets (``fp8_dispatch``, ``e5m6_attention_output``, ``fp8_moe_act_cache``: no flags
+    of their own) is turned off where the overrides leave it without what it needs (another
+    FP8 recipe, EP 1, no ``moe_act`` recompute); ``Job.recipe_off`` says which and why.
 
     Raises:
-        TracememError: an unknown recipe; anything ``Job`` raises.
+        TracememError: an unknown recipe, ``recipe`` or ``recipe_fields`` among the
+            overrides; anything ``Job`` raises.
     """
     from tracemem.job import Job
 
     kwargs = recipe_fields(name)
+    for own in ("recipe", "recipe_fields"):
+        if own in overrides:
+            raise TracememError(f"recipe_job({name!r}, {own}=...): the recipe is the first "
+                                f"argument; {own} is not an override")
+    given = dict(overrides.get("kernel_options") or {})
     if "kernel_options" in overrides:
         overrides = dict(overrides)
         overrides["kernel_options"] = kwargs["kernel_options"] | dict(overrides["kernel_options"])
@@ -154,4 +184,10 @@ def recipe_job(name: str, **overrides):
             and "pp_layout" not in overrides:
         kwargs.pop("pp_layout", None)  # a layer split of the user's replaces the recipe's
     kept = tuple(sorted(k for k in kwargs if k not in overrides))
-    return Job(**(kwargs | overrides), recipe=name, recipe_fields=kept)
+    fields = kwargs | overrides
+    off = _deepseek_deltas_off(fields, given)
+    if off:
+        fields["kernel_options"] = {k: v for k, v in fields["kernel_options"].items()
+                                    if k not in off}
+    return Job(**fields, recipe=name, recipe_fields=kept,
+               recipe_off=tuple(f"{option}: {why}" for option, why in off.items()))

@@ -495,6 +495,9 @@ def get_profile(name: str | KernelProfile = "megatron-te",
         flag = {"fp8_layers_at_start_in_bf16": "--num-layers-at-start-in-bf16",
                 "fp8_layers_at_end_in_bf16": "--num-layers-at-end-in-bf16",
                 "fp8_arch": "--gpu"}.get(key, "--" + key.replace("_", "-"))  # Megatron's
+        if key in ("fp8_dispatch", "fp8_moe_act_cache"):  # DeepSeek-V3's: no flag
+            raise TracememError(f"kernel option {key} (DeepSeek-V3's FP8 scheme) needs "
+                                f"--kernels megatron-te; --kernels {name} runs bf16")
         raise TracememError(f"FP8 ({flag} {options[key]}) needs --kernels megatron-te "
                             f"(Transformer Engine's FP8 modules); --kernels {name} runs bf16")
     for key, value in options.items():

@@ -118,6 +118,9 @@ def test_unaligned_rows_pad_the_payload_and_nothing_is_left():
     (dict(kernel_options={"fp8_dispatch": True, "fp8_recipe": "blockwise"}, ep=1),
      "kernel option fp8_dispatch (DeepSeek-V3's FP8 dispatch): EP 1 sends no tokens over an "
      "all-to-all: give --ep > 1"),
+    (dict(kernels="torch", kernel_options={"fp8_dispatch": True}),
+     "kernel option fp8_dispatch (DeepSeek-V3's FP8 scheme) needs --kernels megatron-te; "
+     "--kernels torch runs bf16"),
 ])
 def test_the_option_is_refused_where_it_is_not_modelled(extra, message):
     fields = dict(world_size=8, ep=8, micro_batch_size=1, seq_length=64, num_microbatches=1,

@@ -77,3 +77,51 @@ def test_the_nearest_megatron_job_file_is_the_recipe_but_what_megatron_cannot_ru
                    ("fp8_moe_act_cache", "fp8_dispatch", "e5m6_attention_output"))
     assert job.parallel.precision_spec.store_param_remainders
     assert not recipe.parallel.precision_spec.store_param_remainders
+
+
+def test_overrides_turn_off_the_recipes_deepseek_options_that_need_what_they_replace():
+    # fp8_dispatch and e5m6_attention_output need blockwise FP8, fp8_moe_act_cache moe_act
+    # recompute; they have no flags, so an override that takes what they need turns them off
+    # (Job.recipe_off says which and why) instead of being refused
+    from tracemem.recipes import recipe_job
+
+    job = recipe_job("deepseek-v3", kernel_options={"fp8_recipe": "tensorwise"})
+    assert job.recipe_off == ("fp8_dispatch: it needs --fp8-recipe blockwise",
+                              "e5m6_attention_output: it needs --fp8-recipe blockwise")
+    assert not job.profile.options["fp8_dispatch"]
+    assert job.profile.options["fp8_moe_act_cache"]  # tensorwise is FP8: still applies
+    job = recipe_job("deepseek-v3", recompute="none")
+    assert job.recipe_off == ("fp8_moe_act_cache: it needs FP8 and --recompute selective with "
+                              "moe_act",)
+    assert recipe_job("deepseek-v3").recipe_off == ()
+
+
+def test_a_recipe_is_applied_by_recipe_job_only():
+    from tracemem.job import Job
+    from tracemem.recipes import recipe_job
+
+    with pytest.raises(TracememError) as error:
+        Job.create("deepseek-tiny", world_size=8, ep=8, micro_batch_size=1, seq_length=64,
+                   num_microbatches=1, recipe="deepseek-v3")
+    assert str(error.value) == ("Job(recipe='deepseek-v3') only records a recipe; apply one "
+                                "with tracemem.recipes.recipe_job(name, **overrides) (recipes: "
+                                "deepseek-v3)")
+    with pytest.raises(TracememError, match=r"recipe_job\('deepseek-v3', recipe=\.\.\.\): the "
+                                            r"recipe is the first argument"):
+        recipe_job("deepseek-v3", recipe="x")
+
+
+def test_what_fits_takes_the_recipes_hbm(monkeypatch):
+    # --recipe deepseek-v3 sets --hbm 80GB; --what-fits used to ask for --hbm before the
+    # recipe was applied. The estimate is stopped at once: only the check is under test
+    import tracemem.estimator
+    from tracemem.cli import main
+
+    class Reached(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Reached
+    monkeypatch.setattr(tracemem.estimator, "estimate", stop)
+    with pytest.raises(Reached):
+        main(["estimate", "--recipe", "deepseek-v3", "--what-fits", "--quiet"])

@@ -183,6 +183,18 @@ def test_e5m6_cache_needs_blockwise_fp8():
                                 "--fp8-recipe blockwise")
 
 
+def test_fp8_param_gather_needs_the_distributed_optimizer_in_python_too():
+    # the Megatron door refuses it (validate_args); the Job, which every door builds, too
+    from tracemem.job import Job
+
+    with pytest.raises(TracememError, match=r"kernel option fp8_param_gather "
+                                            r"\(--fp8-param-gather\) needs Megatron's "
+                                            r"distributed optimizer: give --zero 1 or more"):
+        Job.create("deepseek-tiny", world_size=8, ep=8, zero=0, micro_batch_size=1,
+                   seq_length=64, num_microbatches=1, gpu="H100",
+                   kernel_options={"fp8_recipe": "tensorwise", "fp8_param_gather": True})
+
+
 def test_layernorm_linear_quantises_ln_out_through_a_bf16_copy():
     norm = torch.nn.RMSNorm(128, device="meta", dtype=BF16)
     x, w = leaf(1, 64, 128), leaf(256, 128)
