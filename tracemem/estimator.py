@@ -58,7 +58,7 @@ from modeling.parallel.pp import (
 )
 from modeling.common.routing import Counts, RoutingModel
 from tracemem.categories import Category, Phase
-from tracemem.schedules.megatron_refs import INTERLEAVED_REFERENCES
+from tracemem.schedules.megatron_refs import INTERLEAVED_REFERENCES, REFERENCE_NAMES
 from tracemem.errors import TracememError
 from tracemem.job import (  # noqa: F401  (re-exported: their home was here)
     MAX_EP_CLASSES,
@@ -739,8 +739,10 @@ class _ScheduleRef:
     def __init__(self, sid: int, nbytes: int, kind: str):
         self.sid, self.nbytes = sid, nbytes
         self.category = Category.COMM_BUFFER
-        self.module = f"pipeline schedule: {kind}"
-        self.device, self.dtype, self.shape, self.retain = "meta", torch.uint8, (nbytes,), None
+        name = REFERENCE_NAMES[INTERLEAVED_REFERENCES.index(kind)]
+        self.module = f"pipeline schedule: {name}"
+        self.dtype = torch.float32 if kind == _LOSSES else torch.bfloat16  # bytes, rounded
+        self.device, self.shape, self.retain = "meta", (nbytes // self.dtype.itemsize,), None
 
 
 def replay_events(steps: list[Step], pp: int, segments: Segments,

@@ -12,7 +12,7 @@ on meta, step by step to the byte.
 
 from __future__ import annotations
 
-__all__ = ["INTERLEAVED_REFERENCES", "interleaved_reference_tensors",
+__all__ = ["INTERLEAVED_REFERENCES", "REFERENCE_NAMES", "interleaved_reference_tensors",
            "interleaved_references"]
 
 
@@ -38,6 +38,11 @@ INTERLEAVED_REFERENCES = (
     "finished microbatches' output stand-ins (bf16 [1])",
     "finished microbatches' losses fp32 [] in forward_data_store (last stage)",
 )
+
+
+# short names of INTERLEAVED_REFERENCES' kinds, in order (what a replayed storage is called)
+REFERENCE_NAMES = ("received input", "input gradient", "received output gradient",
+                   "output whole until sent", "output stand-in", "loss in forward_data_store")
 
 
 def interleaved_reference_tensors(pp: int, vpp: int, num_microbatches: int, rank: int,
