@@ -874,6 +874,11 @@ def check_fields(given: Mapping[str, Any]) -> None:
         if name in RENAMED:
             raise TracememError(f"keyword {name!r} is now {RENAMED[name]!r} (the CLI's "
                                 f"--{RENAMED[name].replace('_', '-')})")
+        from modeling.kernels.profile import MEGATRON_TE_OPTIONS, TORCH_OPTIONS
+
+        if name in MEGATRON_TE_OPTIONS or name in TORCH_OPTIONS:  # a kernel option
+            raise TracememError(f"{name!r} is a kernel option, not a job keyword: give "
+                                f"kernel_options={{{name!r}: ...}}")
         close = difflib.get_close_matches(name, valid, n=1)
         raise TracememError(f"unknown job keyword {name!r}"
                             + (f"; did you mean {close[0]!r}?" if close else

@@ -75,6 +75,14 @@ def test_a_changed_job_is_validated_again():
         job.with_changes(recompte="full")
 
 
+def test_a_kernel_option_given_as_a_job_keyword_is_named_as_one():
+    # estimate("deepseek-v3", ..., fp8_recipe="blockwise") used to get "did you mean 'recipe'?"
+    with pytest.raises(TracememError) as error:
+        Job(**TINY, num_microbatches=1).with_changes(fp8_recipe="blockwise")
+    assert str(error.value) == ("'fp8_recipe' is a kernel option, not a job keyword: give "
+                                "kernel_options={'fp8_recipe': ...}")
+
+
 def test_old_keyword_names_are_refused_with_the_new_one():
     with pytest.raises(TracememError, match=r"keyword 'schedule_name' is now 'schedule' \(the "
                                             r"CLI's --schedule\)"):
