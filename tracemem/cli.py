@@ -598,9 +598,23 @@ def _fp8_kernel_options(args: argparse.Namespace) -> dict:
         if not typed:
             return {}
         names["fp8"] = fmt
-    return fp8_options(argparse.Namespace(
+    options = fp8_options(argparse.Namespace(
         **names, use_distributed_optimizer=getattr(args, "zero", 1) != 0,
         use_megatron_fsdp=False, use_torch_fsdp2=False))
+    if getattr(args, "recipe", None) is not None:  # only what was typed replaces the recipe's
+        given = getattr(args, "given", set())       # (--fp8-format alone keeps its blockwise)
+        options = {key: value for key, value in options.items()
+                   if given & set(_FP8_OPTION_DESTS.get(key, ()))}
+    return options
+
+
+# the FP8 flags' dests each megatron-te FP8 option is made from (fp8_options)
+_FP8_OPTION_DESTS = {
+    "fp8_format": ("fp8",), "fp8_recipe": ("fp8_recipe",),
+    "fp8_param_gather": ("fp8_param_gather",), "fp8_amax_history_len": ("fp8_amax_history_len",),
+    "fp8_layers_at_start_in_bf16": ("first_last_layers_bf16", "num_layers_at_start_in_bf16"),
+    "fp8_layers_at_end_in_bf16": ("first_last_layers_bf16", "num_layers_at_end_in_bf16"),
+}
 
 
 def _recipe_fp8_format(name: str) -> str | None:
@@ -751,6 +765,15 @@ def _explicit(fields: dict, args: argparse.Namespace) -> dict:
     return out
 
 
+def _no_vocab_size(args: argparse.Namespace) -> None:
+    """Raises: TracememError: ``--vocab-size`` without a Megatron-LM job (a model's config,
+    or a recipe's, gives the vocabulary)."""
+    if getattr(args, "vocab_size", None) is not None:
+        raise TracememError("--vocab-size applies to a Megatron-LM job that reads its "
+                            "vocabulary from a tokenizer file (--megatron-args / "
+                            "--megatron-config); a --model or --recipe gives its own")
+
+
 def _megatron_job(args: argparse.Namespace, **fixed):
     """The ``Job`` of a Megatron-LM job (``--megatron-config`` then ``--megatron-args``, later
     arguments winning as in argparse) with tracemem's typed flags overriding it (``fixed``:
@@ -776,6 +799,7 @@ def _megatron_job(args: argparse.Namespace, **fixed):
             raise TracememError("give --model (a preset or a config.json), or a Megatron-LM "
                                 "job: --megatron-config model_config.yaml or --megatron-args "
                                 "ARGS... (last)")
+        _no_vocab_size(args)
         return None
     if args.model is not None:
         raise TracememError("--model and a Megatron-LM job (--megatron-config / "
@@ -813,6 +837,14 @@ def _megatron_job(args: argparse.Namespace, **fixed):
     if fp8_argv:
         given = set(getattr(args, "given", ())) - set(_FP8_DESTS)
         typed = argparse.Namespace(**(vars(args) | {"fp8": None, "given": given}))
+    padded = [a for a in argv if a.split("=")[0] == "--padded-vocab-size"]
+    if args.vocab_size is not None and args.vocab_size <= 0:
+        raise TracememError(f"--vocab-size {args.vocab_size} must be a positive integer (the "
+                            f"tokenizer's vocabulary before padding)")
+    if args.vocab_size is not None and padded:  # Megatron uses --padded-vocab-size as given
+        raise TracememError(f"--vocab-size {args.vocab_size} is not used: the job gives "
+                            f"--padded-vocab-size, which Megatron uses as given; drop "
+                            f"--vocab-size")
     kwargs = megatron_job_kwargs(argv + fp8_argv, env=env,
                                  world_size=getattr(args, "world_size", None),
                                  vocab_size=args.vocab_size)
@@ -1132,6 +1164,7 @@ def job_from_args(args: argparse.Namespace):
                 or args.megatron_config is not None:
             raise TracememError(f"--recipe {args.recipe} describes the model; give it without "
                                 f"--model or a Megatron-LM job")
+        _no_vocab_size(args)
         return recipe_job(args.recipe, **_explicit(_flag_fields(args), args))
     if args.world_size is None:
         raise TracememError("give --world-size (the number of GPUs), or a --recipe")
@@ -1323,6 +1356,8 @@ def _override_note(args: argparse.Namespace) -> str:
                          "flags of their own): " + "; ".join(job.recipe_off))
         lines.append("Assumed where the paper is silent:")
         lines += [f"- {a}" for a in recipe.assumptions]
+        lines += [f"- {a}" for option, a in recipe.option_assumptions.items()
+                  if job.profile.options.get(option)]
         if recipe.approximations:
             lines.append("Approximated (the paper's FP8 scheme where tracemem does not trace "
                          "it as written):")

@@ -12,7 +12,8 @@ before the ``Job`` is built, and the ``Job`` records the recipe's name and the f
 
 ``deepseek-v3``: DeepSeek-V3 as trained (arXiv 2412.19437, "DeepSeek-V3 Technical Report",
 sections 3.2-3.4), with deepseek-ai/DualPipe (3da1bbe) for the schedule. Where the paper is
-silent the value is an assumption, named as one in ``RECIPES[...].assumptions``.
+silent the value is an assumption, named as one in ``RECIPES[...].assumptions`` (or, for a
+kernel option's element, ``option_assumptions``, listed while the option is on).
 
 Errors: an unknown recipe name is a ``TracememError`` naming the choices.
 """
@@ -30,8 +31,9 @@ __all__ = ["Recipe", "RECIPES", "recipe_fields", "recipe_job"]
 @dataclass(frozen=True)
 class Recipe:
     """A named job: ``fields`` are ``Job`` keywords; ``sources`` the citation of each;
-    ``assumptions`` what the source leaves open and the value chosen; ``approximations`` what
-    the recipe's source does that tracemem does not trace (printed with the estimate)."""
+    ``assumptions`` what the source leaves open and the value chosen (``option_assumptions``:
+    those of a kernel option's element, which apply while the option is on); ``approximations``
+    what the recipe's source does that tracemem does not trace (printed with the estimate)."""
 
     name: str
     title: str
@@ -39,6 +41,8 @@ class Recipe:
     sources: dict[str, str]
     assumptions: tuple[str, ...] = ()
     approximations: tuple[str, ...] = field(default=())
+    # kernel option -> the assumption of its element, listed while the option is on
+    option_assumptions: dict[str, str] = field(default_factory=dict)
 
 
 _V3 = "arXiv 2412.19437"
@@ -97,23 +101,28 @@ RECIPES = {
             "not DP-sharded), pageable host memory; section 3.2.3 says only 'stored in CPU "
             "memory and updated asynchronously after each training step'",
             "routing balanced: the auxiliary-loss-free balancing of section 2.1.2",
+        ),
+        approximations=(),
+        option_assumptions={
+            "fp8_moe_act_cache":
             "SwiGLU inputs cached in FP8 (3.3.3 names those 'in MoE'): the routed and the "
             "shared experts' (fp8_moe_act_cache); the three dense layers' SwiGLU, outside the "
             "MoE, keep Megatron's bf16 input",
+            "e5m6_attention_output":
             "E5M6 (3.3.3: the input of the linear after attention, also read by "
             "attention's backward): each 12-bit value in a 16-bit container, 2 B, the bf16 "
             "storage Megatron's linear_proj and attention already share (one cache for both "
             "backwards; packing two values in 3 B would keep a quarter less), and one fp32 "
             "scale per 1x128 tile (3.3.2's scales are fp32; these are powers of two and "
             "would fit in 1 B), kept until linear_proj's backward",
+            "fp8_dispatch":
             "FP8 dispatch (3.3.3): the payload is DeepEP's (deepseek-ai/DeepEP ebfe47e "
             "Buffer.dispatch: float8_e4m3fn values and one fp32 scale per 1x128 tile) on "
             "Megatron's alltoall dispatcher, one row per (token, expert) slot (DeepEP sends "
             "one per token and destination rank); fc1 keeps the received row-wise payload "
             "for its weight gradient and converts it to 128x1 tiles in backward, as 3.3.3 "
             "says of the attention output's cached input",
-        ),
-        approximations=()),
+        }),
 }
 
 

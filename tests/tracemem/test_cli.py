@@ -127,3 +127,21 @@ def test_vpp_without_a_schedule_runs_the_interleaved_schedule_as_megatron_does(c
     assert json.loads(capsys.readouterr().out)["settings"]["schedule"] == "interleaved-1f1b"
     assert main([*argv, "--schedule", "1f1b"]) == 2
     assert "--vpp 2 needs --schedule interleaved-1f1b" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--model llama-tiny --vocab-size 5",
+     "--vocab-size applies to a Megatron-LM job that reads its vocabulary from a tokenizer "
+     "file (--megatron-args / --megatron-config); a --model or --recipe gives its own"),
+    ("--vocab-size -5 --megatron-args @docs/examples/megatron-pr6429-arm-c.args",
+     "--vocab-size -5 must be a positive integer (the tokenizer's vocabulary before padding)"),
+    ("--vocab-size 5000 --megatron-args @docs/examples/megatron-pr6429-arm-c.args",
+     "--vocab-size 5000 is not used: the job gives --padded-vocab-size, which Megatron uses "
+     "as given; drop --vocab-size"),
+])
+def test_a_vocab_size_that_would_go_unused_is_refused(flags, message, capsys, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).parents[2])
+    assert main(["estimate", "--world-size", "64", *flags.split()]) == 2
+    assert message in capsys.readouterr().err

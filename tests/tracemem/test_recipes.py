@@ -125,3 +125,38 @@ def test_what_fits_takes_the_recipes_hbm(monkeypatch):
     monkeypatch.setattr(tracemem.estimator, "estimate", stop)
     with pytest.raises(Reached):
         main(["estimate", "--recipe", "deepseek-v3", "--what-fits", "--quiet"])
+
+
+def test_an_option_turned_off_takes_its_assumption_with_it():
+    # the note lists the assumption of a DeepSeek option's element only while it is on
+    import argparse
+
+    from tracemem.cli import _override_note
+    from tracemem.recipes import RECIPES, recipe_job
+
+    texts = RECIPES["deepseek-v3"].option_assumptions
+    on = _override_note(argparse.Namespace(job=recipe_job("deepseek-v3")))
+    assert all(text in on for text in texts.values())
+    off = _override_note(argparse.Namespace(job=recipe_job("deepseek-v3", ep=1,
+                                                            recompute="none")))
+    assert texts["fp8_dispatch"] not in off and texts["fp8_moe_act_cache"] not in off
+    assert texts["e5m6_attention_output"] in off
+
+
+def test_an_fp8_flag_over_the_recipe_replaces_only_what_it_names(monkeypatch):
+    # --fp8-format hybrid alone used to bring Megatron's default --fp8-recipe delayed along,
+    # replacing the recipe's blockwise; only the typed flag replaces the recipe's value
+    import tracemem.estimator
+    from tracemem.cli import main
+
+    seen = []
+
+    def stop(job, *args, **kwargs):
+        seen.append(job)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(tracemem.estimator, "estimate", stop)
+    with pytest.raises(KeyboardInterrupt):
+        main(["estimate", "--recipe", "deepseek-v3", "--fp8-format", "hybrid", "--quiet"])
+    options = seen[0].profile.options
+    assert (options["fp8_format"], options["fp8_recipe"]) == ("hybrid", "blockwise")
+    assert options["fp8_dispatch"] and seen[0].recipe_off == ()

@@ -290,13 +290,18 @@ def _world_size(world_size, env) -> int:
 
 
 def _vocab(ns, vocab_size) -> tuple[int, int | None]:
-    """(the model's vocabulary before padding, make_vocab_size_divisible_by)."""
+    """(the model's vocabulary before padding, make_vocab_size_divisible_by).
+
+    Raises:
+        TracememError: tracemem's ``vocab_size`` not a positive integer.
+    """
+    if vocab_size is not None and (isinstance(vocab_size, bool)
+                                   or not isinstance(vocab_size, int) or vocab_size <= 0):
+        raise TracememError(f"--vocab-size {vocab_size!r} must be a positive integer (the "
+                            f"tokenizer's vocabulary before padding)")
     if ns.padded_vocab_size is not None:  # used as given (argument_utils gpt_config_from_args)
         return ns.padded_vocab_size, None
     if vocab_size is not None:
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
-            raise TracememError(f"--vocab-size {vocab_size!r} must be a positive integer (the "
-                                f"tokenizer's vocabulary before padding)")
         return vocab_size, ns.make_vocab_size_divisible_by
     files = [f"{flag} {value}" for flag, value in (
         ("--vocab-file", ns.vocab_file), ("--tokenizer-model", ns.tokenizer_model),
