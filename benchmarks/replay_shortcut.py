@@ -1,8 +1,10 @@
 """The steady-state shortcut (``tracemem.periodic``, issue 27 item 2) on DeepSeek-V3 estimates,
 against the full replay as the peer, in one run: each layout estimated twice in this process
 (traces shared through one ``TraceCache``, so the times compare the replays), first with no
-boundary probed (``MAX_PROBES`` 0: every event walked), then as shipped; the two must agree
-on every figure of every rank (exit 1 otherwise).
+boundary probed (``MAX_PROBES`` 0: every event walked), then with the whole state hashed at
+every boundary whose quick summary was seen (the shortcut before ``periodic.probed`` thinned
+the probes out), then as shipped; the three must agree on every figure of every rank (exit 1
+otherwise).
 
     .venv/bin/python benchmarks/replay_shortcut.py
 """
@@ -33,8 +35,10 @@ def figures(result) -> list[tuple]:
              r.largest_free_block_bytes, r.reserved_peak_step, r.fits) for r in result.ranks]
 
 
-def timed_estimate(fields: dict, cache: TraceCache, probes: int) -> tuple[float, list]:
+def timed_estimate(fields: dict, cache: TraceCache, probes: int,
+                   every: bool = False) -> tuple[float, list]:
     periodic.MAX_PROBES = estimator.MAX_PROBES = probes
+    estimator.probed = (lambda k: True) if every else periodic.probed
     start = time.perf_counter()
     result = estimate("deepseek-v3", trace_cache=cache, **(V3 | fields))
     return time.perf_counter() - start, figures(result)
@@ -42,17 +46,21 @@ def timed_estimate(fields: dict, cache: TraceCache, probes: int) -> tuple[float,
 
 def main() -> None:
     shipped = periodic.MAX_PROBES
-    print("| layout | full replay s | shortcut s | ratio | same figures |")
-    print("| --- | ---: | ---: | ---: | --- |")
+    print("| layout | full replay s | every boundary probed s | shortcut s | full / shortcut "
+          "| every / shortcut | same figures |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     bad = False
     for label, fields in LAYOUTS:
         cache = TraceCache()
         estimate("deepseek-v3", trace_cache=cache, screen=True, **(V3 | fields))  # traces
         full_s, full = timed_estimate(fields, cache, 0)
+        every_s, every = timed_estimate(fields, cache, shipped, every=True)
         short_s, short = timed_estimate(fields, cache, shipped)
-        bad |= full != short
-        print(f"| {label} | {full_s:.1f} | {short_s:.1f} | {full_s / short_s:.1f}x | "
-              f"{'yes' if full == short else 'NO'} |", flush=True)
+        same = full == short == every
+        bad |= not same
+        print(f"| {label} | {full_s:.1f} | {every_s:.1f} | {short_s:.1f} | "
+              f"{full_s / short_s:.1f}x | {every_s / short_s:.1f}x | "
+              f"{'yes' if same else 'NO'} |", flush=True)
     sys.exit(1 if bad else 0)
 
 

@@ -76,7 +76,7 @@ from tracemem.memory.timeline import replay_through_allocator, step_at
 from tracemem.offload import offload_static
 from tracemem.optimizer_step import trace_optimizer_step
 from tracemem.parallel import SHARDING, ParallelConfig
-from tracemem.periodic import MAX_PROBES, ReplaySink, periodic_stretches
+from tracemem.periodic import MAX_PROBES, ReplaySink, periodic_stretches, probed
 from tracemem.schedules import Placement, Step, placement
 from tracemem.recompute import apply_recompute_method
 from tracemem.split_backward import backward_input
@@ -976,7 +976,7 @@ def replay_events(steps: list[Step], pp: int, segments: Segments,
                     check = k == pending[0] + pending[1]
                 else:
                     size = (len(live), sink.cheap_state() if sink is not None else None)
-                    check = size in sizes
+                    check = size in sizes and probed(k)
                     sizes.add(size)
             if check:
                 # a microbatch's storages renumber while it is in flight, or while only its

@@ -11,11 +11,12 @@ replay jumps to the end of the repetitions with its state renumbered.
 Nothing here assumes a schedule's shape. ``periodic_stretches`` finds, in any step list, the
 stretches whose steps repeat with a period and a microbatch shift (every microbatch in them
 past the first). ``tracemem.estimator.replay_events(periodic=True, sink=...)`` drives a
-replay over them and, at each period boundary (up to ``MAX_PROBES`` of them), looks for the
-replay's state (the storages alive, with a consumer's own state such as the caching
-allocator simulator's blocks, each replayed key renumbered relative to the boundary) among
-the earlier boundaries': a quick summary first (counts and bytes, so a growing state is
-never hashed), then a hash of the whole state; a hash seen ``c`` periods before is proven,
+replay over them and, at period boundaries (up to ``MAX_PROBES``), looks for the replay's
+state (the storages alive, with a consumer's own state such as the caching allocator
+simulator's blocks, each replayed key renumbered relative to the boundary) among the earlier
+boundaries': a quick summary first at every boundary (counts and bytes, so a growing state is
+never hashed), then, at the boundaries ``probed`` picks (each of the first ``DENSE_PROBES``,
+then fewer and fewer), a hash of the whole state; a hash seen ``c`` periods before is proven,
 or dropped, by comparing the whole state with the one ``c`` periods later. Once proven, the
 remaining whole cycles are skipped. The proof is the comparison itself (the state and the
 steps ahead are equal up to the renumbering, and the replay is deterministic), so a replay
@@ -39,11 +40,25 @@ from collections.abc import Callable, Hashable
 from typing import NamedTuple, Protocol
 
 __all__ = ["Stretch", "periodic_stretches", "ReplaySink", "MAX_PERIOD", "MIN_PERIODS",
-           "MAX_PROBES"]
+           "MAX_PROBES", "DENSE_PROBES", "probed"]
 
 MAX_PERIOD = 256    # longest pattern looked for, in steps (interleaved 1F1B: 2 x vpp x pp)
 MIN_PERIODS = 4     # a stretch shorter than this is walked (nothing worth skipping)
 MAX_PROBES = 2048   # period boundaries of a stretch at which a repeated state is looked for
+DENSE_PROBES = 16   # boundaries probed one after another before the probes thin out (probed)
+
+
+def probed(k: int) -> bool:
+    """Whether period boundary ``k`` of a stretch hashes its whole state (when its quick
+    summary has been seen): each of the first ``DENSE_PROBES`` (16), then every second up to
+    32, every fourth up to 64, and so on: 8 per doubling of k, at multiples of a power of two
+    (56 of the boundaries below 512). A state that repeats from boundary k0 on with a cycle of
+    c <= 8 is still found, within about 3c x k0 / 8 boundaries more (two probes a multiple of
+    c apart, then the proof a cycle later), so the replay may walk more cycles than probing
+    every boundary would, while a state that never repeats (an allocator whose blocks keep
+    moving) is hashed O(log k) times instead of k times. Which boundaries are probed decides
+    only when a cycle is found: the results are the same either way."""
+    return k < DENSE_PROBES or k % (1 << (k.bit_length() - 4)) == 0
 
 
 class Stretch(NamedTuple):

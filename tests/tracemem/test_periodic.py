@@ -19,7 +19,7 @@ from tracemem.estimator import (
 )
 from tracemem.job import Job
 from tracemem.memory.timeline import replay_through_allocator, step_at
-from tracemem.periodic import Stretch, periodic_stretches
+from tracemem.periodic import Stretch, periodic_stretches, probed
 from tracemem.schedules import Step, schedule
 
 
@@ -282,3 +282,12 @@ def test_what_is_alive_at_a_peak_after_a_skip_is_renamed_with_it():
         assert short == replay_schedule(one.steps, 4, one.segments, 1000, chunk,
                                         periodic=False)
         assert sum(short.by_category.values()) == short.peak_bytes - 1000
+
+
+def test_probed_boundaries_thin_out_by_powers_of_two():
+    # by hand: every boundary below 16, then strides 2, 4, 8, 16, 32 over [16, 32), [32, 64),
+    # [64, 128), [128, 256), [256, 512): 8 each, 16 + 5 x 8 = 56
+    assert all(probed(k) for k in range(16))
+    assert [k for k in range(16, 80) if probed(k)] == [
+        16, 18, 20, 22, 24, 26, 28, 30, 32, 36, 40, 44, 48, 52, 56, 60, 64, 72]
+    assert sum(probed(k) for k in range(512)) == 56
