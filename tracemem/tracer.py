@@ -6,6 +6,11 @@ Modelled on PyTorch's ``torch/distributed/_tools/mem_tracker.py`` (per-storage a
 with weakref finalizers, categories as a ``str`` enum), but built for what that tool refuses:
 several microbatches and steps in one timeline, an ordered event log that a pipeline simulator
 can replay, and the meta device as the main target.
+
+On the meta device an op that makes fresh tensors is run once per distinct call (the op and
+its arguments' shapes, strides, dtypes and values); later calls get outputs of the same
+metadata from ``torch.empty_strided`` (``_MetaOutputs``), which the tracer sees born exactly
+as it sees the kernel's.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tracemem.categories import Category, Phase
@@ -34,6 +39,127 @@ from tracemem.errors import (
 )
 
 __all__ = ["MemoryTracer", "MemoryEvent", "StorageInfo"]
+
+
+# ---------------------------------------------------------------- meta outputs, remembered
+# On the meta device an op's outputs are its output metadata and nothing else, and that is a
+# function of the op and its arguments' metadata. torch computes it with Python reference /
+# fake implementations (torch/_prims_common/wrappers.py, torch/_refs, torch/_meta_registrations)
+# at tens of microseconds an op; a training step repeats the same ops on the same shapes (each
+# microbatch, each layer of a kind, each rank class). ``_MetaOutputs`` remembers, for the ops
+# that make fresh tensors, what the first call returned (shape, strides, dtype, storage
+# bytes) and makes the same outputs again with ``torch.empty_strided``: one new storage per
+# output, of the same bytes, as the op's own meta kernel makes. The events are the same by
+# construction (the tracer sees the same storages born) and by test
+# (tests/tracemem/test_meta_outputs.py traces every family with and without it). Not used:
+# off the meta device, under another dispatch mode below the tracer, for an op that mutates,
+# aliases (its schema), or returns anything but tensors, for ops outside aten / prims (a
+# custom op's fake implementation may do more than return shapes), for tensor subclasses,
+# and for any call whose arguments are not plain values (numbers, dtypes, devices, lists of
+# them) or whose outputs share a storage with each other or an input.
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
+            torch.layout)
+_NAMESPACES = ("aten", "prims")
+_MAX_REMEMBERED = 1 << 18  # entries, then forgotten all at once (a bound on memory)
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _arg_key(value, inputs: list):
+    kind = type(value)
+    if kind is Tensor:
+        if value.device.type != "meta" or value.layout is not torch.strided \
+                or value.is_conj() or value.is_neg():
+            raise _Uncacheable
+        inputs.append(value)
+        return (value.shape, value.stride(), value.storage_offset(), value.dtype)
+    if kind is list or kind is tuple:
+        if all(type(v) is int for v in value):  # sizes, dims: as they are (no bool among them)
+            return (kind, int, tuple(value))
+        return (kind, tuple([_arg_key(v, inputs) for v in value]))
+    if kind in _SCALARS:
+        return (kind, value)
+    raise _Uncacheable
+
+
+class _MetaOutputs:
+    """Per op: whether its outputs may be remembered; per (op, arguments' metadata): the
+    outputs to make again (None: this call's outputs may not be)."""
+
+    def __init__(self) -> None:
+        self.ops: dict = {}
+        self.outputs: dict = {}
+        self.hits = self.misses = 0
+
+    def cacheable(self, func) -> bool:
+        ok = self.ops.get(func)
+        if ok is None:
+            schema = func._schema
+            ok = self.ops[func] = (
+                func.namespace in _NAMESPACES and not schema.is_mutable
+                and bool(schema.returns)
+                and all(r.alias_info is None and str(r.type) in ("Tensor", "Tensor[]")
+                        for r in schema.returns)
+                and torch.Tag.dynamic_output_shape not in func.tags
+                and torch.Tag.data_dependent_output not in func.tags)
+        return ok
+
+    def key(self, func, types, args, kwargs):
+        """The call's key, or None (not remembered); ``inputs``: its tensor arguments."""
+        if any(t is not Tensor for t in types):
+            return None, ()
+        inputs: list = []
+        try:
+            key = (func, _arg_key(args, inputs),
+                   tuple((k, _arg_key(v, inputs)) for k, v in kwargs.items()))
+        except _Uncacheable:
+            return None, ()
+        return key, inputs
+
+    def make(self, entry):
+        one, specs = entry
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+                for shape, stride, dtype in specs]
+        self.hits += 1
+        return outs[0] if one else (outs if one is None else tuple(outs))
+
+    def remember(self, key, inputs, out) -> None:
+        """Keep ``out``'s metadata under ``key`` when it is fresh plain meta tensors, each
+        its own storage of exactly the bytes ``empty_strided`` makes."""
+        self.misses += 1
+        if len(self.outputs) >= _MAX_REMEMBERED:
+            self.outputs.clear()
+        one = type(out) is Tensor
+        outs = [out] if one else out
+        if not one and type(out) not in (tuple, list):
+            self.outputs[key] = None
+            return
+        seen = {t.untyped_storage()._cdata for t in inputs}
+        specs = []
+        for t in outs:
+            if type(t) is not Tensor or t.device.type != "meta" or t.layout is not torch.strided \
+                    or t.storage_offset() != 0 or t.is_conj() or t.is_neg():
+                self.outputs[key] = None
+                return
+            storage = t.untyped_storage()
+            if storage._cdata in seen or storage.nbytes() != _strided_nbytes(t):
+                self.outputs[key] = None
+                return
+            seen.add(storage._cdata)
+            specs.append((tuple(t.shape), t.stride(), t.dtype))
+        self.outputs[key] = (True if one else (None if type(out) is list else False), specs)
+
+
+def _strided_nbytes(t: Tensor) -> int:
+    """The bytes ``torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)`` allocates."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+META_OUTPUTS = _MetaOutputs()
 
 # CUDA's caching allocator rounds every request up to a multiple of kMinBlockSize = 512 bytes
 # (c10/cuda/CUDACachingAllocator.cpp, ``round_size``). A request of 0 bytes allocates nothing.
@@ -192,6 +318,10 @@ class MemoryTracer(TorchDispatchMode):
             allocator does (``round_size`` in c10/cuda/CUDACachingAllocator.cpp).
         devices: device type or types whose storages are counted (e.g. ``"meta"`` for the
             accelerator being estimated); ``None`` counts every device.
+        remember_meta_outputs: make a meta op's outputs again from what the same op made
+            for the same arguments' metadata before (``_MetaOutputs``, process-wide), instead
+            of running torch's meta kernel each time; the same storages, shapes and events
+            either way (False: every op runs its kernel).
 
     Raises:
         TracememError: ``rounding`` is not ``None`` or a positive int, ``devices`` names an
@@ -228,8 +358,10 @@ class MemoryTracer(TorchDispatchMode):
           ``temporary`` (checkpoint's own saved-tensor hooks replace ours in that region).
     """
 
-    def __init__(self, *, rounding: int | None = None, devices: Iterable[str] | None = None):
+    def __init__(self, *, rounding: int | None = None, devices: Iterable[str] | None = None,
+                 remember_meta_outputs: bool = True):
         super().__init__()
+        self._remember = bool(remember_meta_outputs)
         if rounding is not None and (isinstance(rounding, bool) or not isinstance(rounding, int)
                                      or rounding <= 0):
             raise TracememError(
@@ -603,8 +735,13 @@ class MemoryTracer(TorchDispatchMode):
             rec = self._register(t, Category.INPUT, module, phase, op)
             if mutable and rec is not None:
                 inputs.append((t, rec))
+        key = None
+        if self._remember and META_OUTPUTS.cacheable(func) \
+                and not _get_current_dispatch_mode_stack():
+            key, tensors = META_OUTPUTS.key(func, types, args, kwargs)
+        entry = None if key is None else META_OUTPUTS.outputs.get(key, False)
         try:
-            out = func(*args, **kwargs)
+            out = META_OUTPUTS.make(entry) if entry else func(*args, **kwargs)
         except Exception as error:
             where = (f"in module {module!r}" if module else
                      "in the root module" if self._module_stack else
@@ -614,6 +751,8 @@ class MemoryTracer(TorchDispatchMode):
             if clear is None:
                 raise
             raise clear from error
+        if key is not None and entry is False:
+            META_OUTPUTS.remember(key, tensors, out)
         if func is _ADD and phase is Phase.BACKWARD and _is_engine_inplace_sum(args, out):
             self._take_over(args[0], out)
         for t in _iter_tensors(out if isinstance(out, (list, tuple)) else (out,)):
