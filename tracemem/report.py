@@ -623,7 +623,8 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
     ``fits`` (``tracemem.advice.what_fits``) what would fit. The table fits ``TABLE_WIDTH``
     columns (``estimate_columns``); ``wide`` shows every column (comm, temporaries,
     workspaces, frag.). ``hbm_from_gpu``: the --gpu whose memory (``GPU_MEMORY``) stood in
-    for a --hbm not given, said under the verdict."""
+    for a --hbm not given, said under the verdict, as is a --hbm above the --gpu's memory
+    (``_hbm_over_gpu``)."""
     if units == "auto":
         units = pick_units(result.worst.peak_bytes)
     elif units not in UNITS:
@@ -668,12 +669,31 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
             lines.append(f"HBM: --gpu {hbm_from_gpu} without --hbm: judged against {size} "
                          f"per GPU ({source}, read as GiB; CUDA sees a little less); give "
                          f"--hbm to set it.")
+    else:
+        over = _hbm_over_gpu(result.job)
+        if over:
+            lines.append(over)
     host = format_host_memory(verdict, units)
     if host:  # --optimizer-cpu-offload
         lines.append(host)
     if fits is not None:
         lines += ["", format_fits(fits, result, units)]
     return "\n".join(lines)
+
+
+def _hbm_over_gpu(job) -> str | None:
+    """A line when ``job``'s --hbm is more than its --gpu has (``GPU_MEMORY``; kinds sold in
+    one size only), else None: the verdict is against the --hbm given."""
+    from tracemem.job import GPU_MEMORY, parse_bytes
+
+    gpu, hbm = getattr(job, "gpu", None), getattr(job, "hbm_bytes", None)
+    known = GPU_MEMORY.get(gpu) if gpu is not None else None
+    if known is None or hbm is None or hbm <= parse_bytes(known[0]):
+        return None
+    size = parse_bytes(known[0])
+    return (f"HBM: --hbm {_size_label(hbm, 'GiB', given=True)} is more than the {gpu}'s "
+            f"{_size_label(size, 'GiB', given=True)} ({known[1]}); judged against the --hbm "
+            f"given.")
 
 
 def _wide_note(result, keys: list[str]) -> str:

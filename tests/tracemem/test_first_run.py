@@ -645,7 +645,13 @@ def test_gpu_without_hbm_judges_against_its_memory_and_says_so(capsys):
             "--hbm to set it.") in out.splitlines()
     assert main(args + ["--gpu", "H100", "--hbm", "40GiB"]) == 0  # --hbm given: it is used
     out = capsys.readouterr().out
-    assert "fits in 40 GiB" in out and "HBM: --gpu" not in out
+    assert "fits in 40 GiB" in out and "HBM: --gpu" not in out and "HBM:" not in out
+    assert main(args + ["--gpu", "H100", "--hbm", "200GiB"]) == 0  # more than an H100 has
+    assert ("HBM: --hbm 200 GiB is more than the H100's 80 GiB (NVIDIA H100 Tensor Core GPU "
+            "data sheet, H100 SXM: 80GB); judged against the --hbm given.") in \
+        capsys.readouterr().out.splitlines()
+    assert main(args + ["--gpu", "A100", "--hbm", "200GiB"]) == 0  # no single size: no line
+    assert "HBM:" not in capsys.readouterr().out
     assert main(args + ["--gpu", "A100"]) == 0  # 40 GB and 80 GB: no single size
     assert ("HBM: --gpu A100 is sold in more than one memory size; give --hbm (e.g. --hbm "
             "80GiB) to say whether it fits.") in capsys.readouterr().out.splitlines()
