@@ -70,8 +70,8 @@ class _Uncacheable(Exception):
 def _arg_key(value, inputs: list):
     kind = type(value)
     if kind is Tensor:
-        if value.device.type != "meta" or value.layout is not torch.strided \
-                or value.is_conj() or value.is_neg():
+        if not value.is_meta or value.layout is not torch.strided or value.is_conj() \
+                or value.is_neg():
             raise _Uncacheable
         inputs.append(value)
         return (value.shape, value.stride(), value.storage_offset(), value.dtype)
