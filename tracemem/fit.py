@@ -514,14 +514,23 @@ def _run_group(job, layouts: list[Layout], cache_dir: str | None, run_id: str,
     return rows, {k: after[k] - before[k] for k in after}
 
 
+def _work(layout: Layout) -> int:
+    """A layout's expected share of ``fit``'s time, for the order of the work and the ETA
+    only (no figure depends on it): its number of microbatches M, to which the caching
+    allocator's walk of every stage, most of a layout's time, is proportional (its stages'
+    events together are M times the model's layers' events; docs/benchmarks.md, "Fewer
+    probes where the allocator's state does not repeat"), plus one for its traces."""
+    return layout.num_microbatches + 1
+
+
 def _groups(layouts: Iterable[Layout]) -> list[list[Layout]]:
     """Layouts by trace family (``Layout.family``): each family goes to one worker, which
-    traces its rank classes once; the largest families first, so the long tasks start
-    early."""
+    traces its rank classes once; the families with the most work (``_work``) first, so the
+    long tasks start early."""
     families: dict[tuple, list[Layout]] = {}
     for layout in layouts:
         families.setdefault(layout.family(), []).append(layout)
-    return sorted(families.values(), key=len, reverse=True)
+    return sorted(families.values(), key=lambda group: sum(map(_work, group)), reverse=True)
 
 
 # Seconds to wait for a Ray cluster's address to answer before ray.init, and Ray's own
@@ -734,7 +743,8 @@ def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
         closest: how many of the layouts that do not fit to estimate in full (the closest by
             their lower bound), to say by how much each is over.
         progress: called with ``{"done", "total", "computed", "reused", "eta_s"}`` after each
-            group of layouts.
+            group of layouts (``eta_s``: the seconds so far times the layouts' work left over
+            their work done, each layout's work its M + 1, ``_work``).
 
     Each layout is ``dataclasses.replace(base, **layout.job_fields())`` of one base ``Job``,
     each validated here before any worker starts: a layout the ``Job`` refuses with the fixed
@@ -822,17 +832,20 @@ def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
     counts = {"computed": 0, "reused": 0, "loaded": 0}
     rows: list[FitRow] = []
     total = [len(layouts)]
+    # the ETA: the time so far, scaled by the work left over the work done (_work)
+    work = [sum(map(_work, layouts)), 0]
 
     done = [0]
 
     def report(group_rows, group_counts):
         rows.extend(group_rows)
         done[0] += len(group_rows)
+        work[1] += sum(_work(r.layout) for r in group_rows)
         for key in counts:
             counts[key] += group_counts[key]
         if progress:
             elapsed = time.perf_counter() - start
-            eta = elapsed / done[0] * (total[0] - done[0])
+            eta = elapsed / work[1] * (work[0] - work[1])
             progress({"done": done[0], "total": total[0], "computed": counts["computed"],
                       "reused": counts["reused"] + counts["loaded"], "eta_s": eta})
 
@@ -852,6 +865,7 @@ def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
                 break
             rows.clear()
             total[0] += len(todo)
+            work[0] += sum(map(_work, todo))
             runner.run(job, [[layout] for layout in todo], False, report)
             known.update({r.layout: r for r in rows})
         exact = nearest if closest else []

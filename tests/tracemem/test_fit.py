@@ -270,3 +270,17 @@ def test_fit_takes_gpu_as_estimate_does(capsys):
     best = next(line for line in capsys.readouterr().out.splitlines()
                 if line.startswith("best: "))
     assert "--fp8-format e4m3 --fp8-recipe mxfp8 --gpu B200 --hbm 40GiB" in best
+
+
+def test_the_eta_and_the_order_weigh_layouts_by_their_microbatches():
+    from tracemem.fit import Layout, _groups, _work
+
+    def layout(ep, m):
+        return Layout(tp=1, sp=False, cp=1, ep=ep, etp=1, pp=2, vpp=1,
+                      pp_first_stage_layers=None, pp_last_stage_layers=None,
+                      micro_batch_size=1, num_microbatches=m, recompute="none", zero=1,
+                      schedule="1f1b")
+    assert _work(layout(2, 64)) == 65  # M + 1: the allocator walk, then the traces
+    # a family of one layout at M 512 before a family of three at M 8 (27 < 513)
+    small, big = [layout(2, 8), layout(2, 8), layout(2, 8)], [layout(4, 512)]
+    assert [len(g) for g in _groups(small + big)] == [1, 3]
