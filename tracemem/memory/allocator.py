@@ -266,6 +266,11 @@ class CachingAllocatorSimulator:
         self.oom_event: int | None = None
         self.history: list[dict] | None = [] if record_history else None
         self._info = None
+        # malloc's inline path for a request a cached block serves (_malloc_cached): plain
+        # rounding, no expandable segments, no max_split_size, no garbage collection, no
+        # history; anything else, and every request no cached block serves, takes _malloc
+        self._cached_path = (self._plain_rounding and not self._expandable and not self._gc
+                             and self.max_split == _NO_MAX_SPLIT and self.history is None)
         # series and peaks
         self.events = 0
         self.allocated_series = array("q")
@@ -289,6 +294,8 @@ class CachingAllocatorSimulator:
         live = self.live
         if key in live:
             raise TracememError(f"allocation {key!r} is already live; free it first")
+        if nbytes and self._cached_path and self._malloc_cached(key, nbytes, info):
+            return
         if nbytes:
             self._info = info
             block = self._malloc(nbytes)
@@ -459,6 +466,60 @@ class CachingAllocatorSimulator:
         else:
             split = size < self.max_split and remaining > K_SMALL_SIZE
         return self._alloc_found_block(block, pool, size, orig_size, split)
+
+    def _malloc_cached(self, key: Hashable, orig_size: int, info: dict | None) -> bool:
+        """``malloc`` of ``orig_size`` bytes for ``key`` when a cached block serves it, in one
+        frame (the hot path of a replay; ``self._cached_path`` settings only): the same steps
+        as ``_malloc`` -> ``_get_free_block`` (best fit, its common case) ->
+        ``should_split`` -> ``_alloc_found_block``, then ``_sample``. False, with nothing
+        changed, when no cached block is large enough (``_malloc`` then calls
+        ``cudaMalloc``). ``tests/tracemem/memory/test_allocator.py`` holds the two paths
+        equal on random streams."""
+        size = 512 if orig_size < 512 else (orig_size + 511) & ~511  # round_size
+        small = size <= K_SMALL_SIZE
+        pool = self.small if small else self.large  # get_pool
+        keys = pool.keys
+        i = bisect_left(keys, size << _ADDR_BITS)  # lower_bound(search_key): best fit
+        if i == len(keys):
+            return False
+        block = pool.blocks.pop(keys[i] & _ADDR_MASK)
+        del keys[i]  # pool.remove(block), its index known
+        remaining = block.size - size
+        # should_split: the small pool keeps a remainder of kMinBlockSize, the large one of
+        # more than kSmallSize (no max_split_size)
+        if (remaining >= K_MIN_BLOCK_SIZE) if small else (remaining > K_SMALL_SIZE):
+            rest = block
+            block = _Block(rest.addr, size, rest.seg, pool)
+            block.prev = rest.prev
+            if block.prev is not None:
+                block.prev.next = block
+            else:
+                block.seg.head = block
+            block.next = rest
+            rest.prev = block
+            rest.addr += size
+            rest.size -= size
+            pool.insert(rest)
+        block.allocated = True
+        block.requested = orig_size
+        block.key, block.info = key, info
+        self.live[key] = block
+        self.allocated_bytes += block.size
+        self.requested_bytes += orig_size
+        # _sample: no cudaMalloc, so the reserved bytes and their peak are unchanged
+        if self._record_series:
+            self.allocated_series.append(self.allocated_bytes)
+            self.reserved_series.append(self.reserved_bytes)
+        if self.allocated_bytes > self.allocated_peak:
+            self.allocated_peak = self.allocated_bytes
+        if self.requested_bytes > self.requested_peak:
+            self.requested_peak = self.requested_bytes
+        if self._at_peak[0] is None:
+            self.reserved_peak = self.reserved_bytes
+            self._at_peak = (self.events, self.allocated_bytes, self.largest_free_block(),
+                             self._n_segments)
+        self.events += 1
+        return True
 
     def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
         # DeviceCachingAllocator::get_free_block

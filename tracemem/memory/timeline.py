@@ -84,13 +84,14 @@ class AllocatorReplay:
         if key in sim.live:
             shadow = ("resized", key, len(self._shadow.setdefault(key, [])))
             sim.live[shadow] = sim.live.pop(key)
-            self._category[shadow] = self._category.pop(key)
+            if self._keep_series:
+                self._category[shadow] = self._category.pop(key)
             self._shadow[key].append(shadow)
         # what a block holds, for snapshots (kept only where the history is)
         sim.malloc(key, nbytes, None if sim.history is None else
                    {"module": module, "op": op, "category": category})
-        self._category[key] = category
-        if self._keep_series:
+        if self._keep_series:  # a block's category: only the per-category series needs it
+            self._category[key] = category
             block = sim.live[key]
             self._add(category, block.size if block is not None else 0)
 
@@ -102,7 +103,6 @@ class AllocatorReplay:
                 del self._shadow[key[1]]
         if not self._keep_series:
             self.sim.free(key)
-            del self._category[key]
             return
         block = self.sim.live.get(key)
         size = block.size if block is not None else 0
@@ -127,7 +127,9 @@ class AllocatorReplay:
     def state(self, canon) -> Hashable:
         """Every segment's blocks in address order (address, size, mapped; for an allocated
         one the bytes requested and its owner as ``canon(key)``), the zero-byte allocations,
-        the resized storages' shadows, the categories, and the allocator's limits."""
+        the resized storages' shadows, and the allocator's limits. (A block's category is
+        its owner's traced storage's, so the renumbered owner says it; and a sink keeps no
+        series, so no categories.)"""
         sim = self.sim
 
         def name(key):
@@ -148,7 +150,6 @@ class AllocatorReplay:
         return (tuple(blocks), frozenset(name(k) for k, b in sim.live.items() if b is None),
                 frozenset((canon(k), tuple(name(s) for s in v))
                           for k, v in self._shadow.items()),
-                frozenset((name(k), c) for k, c in self._category.items()),
                 sim._next_addr, sim.capacity, sim.allowed_max, sim.num_ooms)
 
     def counters(self) -> tuple[int, ...]:
@@ -168,7 +169,6 @@ class AllocatorReplay:
             if block is not None:
                 block.key = name(block.key)
         self._shadow = {rename(k): [name(s) for s in v] for k, v in self._shadow.items()}
-        self._category = {name(k): c for k, c in self._category.items()}
         sim.events += cycles * per_cycle[0]
         sim.num_device_alloc += cycles * per_cycle[1]
         sim.num_device_free += cycles * per_cycle[2]
@@ -210,13 +210,32 @@ def replay_through_allocator(replayed: Iterable, steps: list, static: Iterable[t
         if nbytes:
             r.alloc(("static", index), nbytes, category, "", "static")
     current = None
+    sim = r.sim
+    if r._keep_series or sim.history is not None:
+        for index, key, action, nbytes, event in replayed:
+            if index != current:
+                r.step(str(steps[index]))
+                current = index
+            if action == "alloc":
+                r.alloc(key, nbytes, _VALUES.get(event.category) or event.category.value,
+                        event.module, event.op)
+            else:
+                r.free(key)
+        return r.timeline(label), r
+    # no series and no history (estimate's and fit's rows): no category, module or op is
+    # read; the simulator driven directly, AllocatorReplay only for a resized storage
+    live, shadow, malloc, free, marks = sim.live, r._shadow, sim.malloc, sim.free, r.steps
     for index, key, action, nbytes, event in replayed:
         if index != current:
-            r.step(str(steps[index]))
+            marks.append((sim.events, str(steps[index])))  # r.step
             current = index
         if action == "alloc":
-            r.alloc(key, nbytes, _VALUES.get(event.category) or event.category.value,
-                    event.module, event.op)
-        else:
+            if key in live:
+                r.alloc(key, nbytes, "")
+            else:
+                malloc(key, nbytes, None)
+        elif key in shadow:
             r.free(key)
+        else:
+            free(key)
     return r.timeline(label), r

@@ -315,3 +315,47 @@ def test_random_streams_keep_the_allocator_consistent(conf, capacity, seed):
         sim.check_invariants()
     stats = sim.stats()
     assert all(a <= r for a, r in zip(stats.allocated, stats.reserved))
+
+
+def _layout(sim):
+    out = []
+    for base in sorted(sim.segments):
+        b = sim.segments[base].head
+        while b is not None:
+            out.append((b.addr, b.size, b.allocated, b.requested if b.allocated else None,
+                        b.key))
+            b = b.next
+    return out
+
+
+# sizes at the rules' edges too: whole MiB (a 20 MiB segment less 19 MiB leaves exactly
+# kSmallSize, which the large pool does not split off), 512-byte steps near 1 MiB
+_SIZES = st.one_of(st.integers(0, 30 * MiB), st.integers(1, 24).map(lambda k: k * MiB),
+                   st.integers(-4, 4).map(lambda k: MiB + 512 * k))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), _SIZES), min_size=1, max_size=120),
+       st.sampled_from([None, 3 * 2**30]), st.randoms(use_true_random=False))
+def test_the_cached_block_path_equals_the_general_one(ops, capacity, rng):
+    # malloc's inline path for a request a cached block serves (_malloc_cached) against the
+    # same stream with it off (every request through _malloc): after every event the same
+    # blocks (address, size, owner, bytes asked), counters, peaks and series
+    fast = CachingAllocatorSimulator(capacity=capacity)
+    slow = CachingAllocatorSimulator(capacity=capacity)
+    assert fast._cached_path
+    slow._cached_path = False
+    live, n = [], 0
+    for alloc, size in ops:
+        if alloc or not live:
+            n += 1
+            events = [("alloc", n, size)]
+            live.append(n)
+        else:
+            events = [("free", live.pop(rng.randrange(len(live))))]
+        for event in events:
+            fast.step(*event)
+            slow.step(*event)
+        fast.check_invariants()
+        assert _layout(fast) == _layout(slow)
+        assert fast.stats() == slow.stats()
