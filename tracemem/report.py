@@ -363,10 +363,12 @@ def _placement_of(result, par):
     return placement(name, par.pp, par.vpp, result.settings.get("num_microbatches") or 1)
 
 
-def _legend(result, units: str, keys: Sequence[str] | None = None) -> list[str]:
+def _legend(result, units: str, keys: Sequence[str] | None = None,
+            wide: bool = True) -> list[str]:
     """Short lines under the estimate table: what each non-obvious column of ``keys`` (the
     columns shown, ``estimate_columns``; None: all) means, derived from this run (precision
-    recipe, rank order, routing, the worst rank's step)."""
+    recipe, rank order, routing, the worst rank's step); ``wide``: the table is --wide's
+    (else a column of --wide's shown as a row's largest item says why)."""
     par = result.parallel
     shown = (lambda key: True) if keys is None else (lambda key: key in keys)  # noqa: E731
     lines = [f"Memory columns in {units} ({UNIT_NOTES[units]}): what is alive at each row's "
@@ -414,6 +416,11 @@ def _legend(result, units: str, keys: Sequence[str] | None = None) -> list[str]:
         lines.append(f"peak and reserved include what --gpu {result.settings.get('gpu')} keeps "
                      f"below the dispatcher (cuBLAS workspaces and the like, "
                      f"tracemem/workspaces.py; --wide shows them).")
+    if not wide and shown("temporaries"):  # some row's largest item (estimate_columns)
+        lines.append("temporaries: storages neither kept for backward (activations) nor "
+                     "gradients, optimizer states or communication buffers, alive at the "
+                     "peak (a step's outputs and, under a split backward, what a deferred "
+                     "weight-gradient step keeps); shown where they are a row's largest item.")
     if shown("host") and any(getattr(r, "host_bytes", 0) for r in result.ranks):
         lines.append("host: host (CPU) memory of the rank under --optimizer-cpu-offload, "
                      "--fine-grained-activation-offloading, --cpu-offloading-num-layers and "
@@ -518,6 +525,9 @@ _COLUMNS = (("stage", "stage"), ("ranks", "ranks"), ("ep", "EP rank"), ("params"
 DEFAULT_COLUMNS = ("stage", "ranks", "ep", "params", "grads", "optimizer", "activations",
                    "inflight", "peak", "step", "reserved", "fits")
 _NARROWING = ("step", "ranks", "inflight")
+# RankEstimate.dominant()'s items that only --wide shows, by column
+_DOMINANT_COLUMNS = {"communication buffers": "comm", "temporaries": "temporaries",
+                     "workspaces below the dispatcher": "workspaces"}
 
 
 def _estimate_cells(r, spans, units: str) -> dict[str, str]:
@@ -541,6 +551,7 @@ def estimate_columns(result, units: str, wide: bool = False,
     """The estimate table's column keys (``_COLUMNS``) and rows (one per rank class, each
     stage's worst first), as strings in ``units``. ``wide``: every column that has something
     to show; else ``DEFAULT_COLUMNS`` (the EP rank only where the rows are EP-rank classes),
+    with any other category column that holds a row's largest item (``RankEstimate.dominant``),
     narrowed (``_NARROWING``) until the table is at most ``width`` characters."""
     spans = stage_ranks(result.parallel)
     # a stage's rows (EP-rank classes under skewed routing) its worst first: the stage's
@@ -555,7 +566,10 @@ def estimate_columns(result, units: str, wide: bool = False,
     if not any(getattr(r, "host_bytes", 0) for r in result.ranks):  # nothing on the host
         keys.remove("host")
     if not wide:
-        keys = [k for k in keys if k in DEFAULT_COLUMNS]
+        # a column of --wide's is shown where it holds some row's largest item (the recipe's
+        # stage 7: TE's deferred weight-gradient inputs, temporaries)
+        largest = {_DOMINANT_COLUMNS.get(r.dominant()[0]) for r in result.ranks}
+        keys = [k for k in keys if k in DEFAULT_COLUMNS or k in largest]
         if all(r.ep_rank is None for r in result.ranks):  # one row per stage: said in the legend
             keys.remove("ep")
         for drop in _NARROWING:
@@ -652,7 +666,7 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
     tail = (f"Worst rank: {where}, peak {_size_label(worst.peak_bytes, units)} at step "
             f"{worst.peak_step or '-'} with {held}; "
             f"largest item: {item} ({_size_label(size, units)}).")
-    lines = [head, "", table, "", *_legend(result, units, keys),
+    lines = [head, "", table, "", *_legend(result, units, keys, wide),
              _allocator_legend(result, units, keys)]
     if not wide:
         lines.append(_wide_note(result, keys))

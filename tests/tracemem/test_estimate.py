@@ -160,3 +160,24 @@ def test_bad_input_is_one_line_and_exit_2(capsys, overrides, message):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_wide_column_is_shown_where_it_holds_a_rows_largest_item():
+    import dataclasses
+
+    from tracemem.report import estimate_columns, format_estimate
+
+    result = estimate("deepseek-tiny", world_size=2, pp=2, micro_batch_size=1, seq_length=16,
+                      num_microbatches=2)
+    keys, _ = estimate_columns(result, "MiB")
+    assert "temporaries" not in keys  # activations or the static memory lead here
+    # stage 1's temporaries made its largest item (TE's deferred W-step inputs on the recipe's
+    # stage 7): the default table shows the column, and the legend says why
+    big = dataclasses.replace(result.ranks[1], temporary_bytes=10 * 2**30)
+    assert big.dominant() == ("temporaries", 10 * 2**30)
+    result = dataclasses.replace(result, ranks=[result.ranks[0], big])
+    keys, rows = estimate_columns(result, "MiB")
+    assert "temporaries" in keys and rows[1][keys.index("temporaries")] == "10,240.00"
+    text = format_estimate(result, "MiB")
+    assert "temporaries: storages neither kept for backward" in text
+    assert "temporaries:" not in format_estimate(result, "MiB", wide=True)
