@@ -5,7 +5,7 @@
 # --engine ray), and torchtitan 0.3.0 with what it imports (requirements-torchtitan.txt,
 # --no-deps: the torchtitan front door). On a machine without a CPU wheel of torch nearby,
 # PyPI's torch is a multi-GB CUDA build: give pip PyTorch's CPU index,
-# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make demo (README, "Install").
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make demo (README's first lines).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -28,7 +28,7 @@ $(EXTRAS): $(RUNTIME) requirements-torchtitan.txt
 
 # The main job: DeepSeek-V3 on 1024 GPUs (TP 2 + SP, PP 16, EP 8), b=1, s=4096, 16 microbatches,
 # 1F1B, flash attention, ZeRO-1, Megatron precision; one row per pipeline stage, a verdict
-# against 80 GiB and, with --what-fits, six single changes re-estimated (about 3x the time).
+# against 80 GiB and, with --what-fits, seven single changes re-estimated (about 4x the time).
 # `make demo` is `tracemem estimate`; the small built-in transformer is `tracemem toy`.
 DEMO_ARGS = --model deepseek-v3 --world-size 1024 --tp 2 --sp --pp 16 --ep 8 --etp 1 \
 	--pp-first-stage-layers 4 --pp-last-stage-layers 1 \

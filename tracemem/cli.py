@@ -1541,8 +1541,11 @@ def _run_fit(args: argparse.Namespace) -> str:
 
     def progress(p: dict) -> None:
         eta = "" if p["eta_s"] is None else f", ETA {int(p['eta_s']) // 60}m{int(p['eta_s']) % 60:02d}s"
-        show(f"fit: {p['done']}/{p['total']} layouts, traces {p['computed']} computed / "
-             f"{p['reused']} reused{eta}")
+        layouts, closest = p["layouts"], p["total"] - p["layouts"]
+        where = (f"{p['done']}/{layouts} layouts" if p["done"] <= layouts else
+                 f"{layouts}/{layouts} layouts, the closest {p['done'] - layouts}/{closest} "
+                 f"in full")
+        show(f"fit: {where}, traces {p['computed']} computed / {p['reused']} reused{eta}")
 
     run = dict(space=space, workers=args.workers, engine=args.engine, address=args.address,
                cache_dir=args.cache_dir, closest=args.closest,
@@ -2051,7 +2054,7 @@ def _attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> lis
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. Returns the exit code: 0, 2 for a usage error, 1 when stdout cannot be
     written (a full disk; a closed pipe is 0) or when ``validate --against megatron-core``
-    finds a difference its residue does not name."""
+    finds a difference its residue does not name, 130 when interrupted (Ctrl-C)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -2072,6 +2075,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TracememError as error:
         print(f"tracemem: error: {error}".splitlines()[0], file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (128 + SIGINT, as a shell)
+        print(f"tracemem: {args.command} interrupted", file=sys.stderr)
+        return 130
     if getattr(args, "print_megatron_args", False):
         note = _override_note(args).strip()
         if note:  # stdout stays the arguments alone, to save as an @FILE

@@ -742,9 +742,11 @@ def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
         cache_dir: a directory for the on-disk trace cache (``tracemem.estimator.TraceCache``).
         closest: how many of the layouts that do not fit to estimate in full (the closest by
             their lower bound), to say by how much each is over.
-        progress: called with ``{"done", "total", "computed", "reused", "eta_s"}`` after each
-            group of layouts (``eta_s``: the seconds so far times the layouts' work left over
-            their work done, each layout's work its M + 1, ``_work``).
+        progress: called with ``{"done", "total", "layouts", "computed", "reused", "eta_s"}``
+            after each group of layouts (``done`` / ``total``: estimates, the closest layouts'
+            full estimates counted after the ``layouts`` valid ones; ``eta_s``: the seconds so
+            far times the work left over the work done, each layout's work its M + 1,
+            ``_work``).
 
     Each layout is ``dataclasses.replace(base, **layout.job_fields())`` of one base ``Job``,
     each validated here before any worker starts: a layout the ``Job`` refuses with the fixed
@@ -846,7 +848,8 @@ def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
         if progress:
             elapsed = time.perf_counter() - start
             eta = elapsed / work[1] * (work[0] - work[1])
-            progress({"done": done[0], "total": total[0], "computed": counts["computed"],
+            progress({"done": done[0], "total": total[0], "layouts": len(layouts),
+                      "computed": counts["computed"],
                       "reused": counts["reused"] + counts["loaded"], "eta_s": eta})
 
     runner = _Engine(engine, min(workers, len(layouts)), address)

@@ -145,3 +145,25 @@ def test_a_vocab_size_that_would_go_unused_is_refused(flags, message, capsys, mo
     monkeypatch.chdir(Path(__file__).parents[2])
     assert main(["estimate", "--world-size", "64", *flags.split()]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_ctrl_c_is_a_line_not_a_traceback(monkeypatch, capsys):
+    import tracemem.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_run_toy", interrupted)
+    assert main(["toy"]) == 130  # 128 + SIGINT, as a shell reports it
+    assert capsys.readouterr().err == "tracemem: toy interrupted\n"
+
+
+def test_fit_progress_says_the_closest_apart_from_the_layouts(monkeypatch, capsys):
+    # deepseek-tiny on 4 GPUs, 4 layouts, 1 closest estimated in full (test_fit.py's
+    # test_fit_rows_agree_with_estimate): the last line counts it apart
+    monkeypatch.setattr("tracemem.cli.PROGRESS_INTERVAL_S", 0)  # every line, piped
+    assert main(["fit", "--model", "deepseek-tiny", "--world-size", "4", "--hbm", "1GiB",
+                 "--seq-length", "64", "--global-batch-size", "4", "--tp", "1,2", "--ep", "2",
+                 "--pp", "1,2", "--recompute", "none", "--zero", "1", "--kernels", "eager",
+                 "--non-pytorch-memory", "1020MiB", "--closest", "1", "--workers", "1"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "fit:" in line]
+    assert lines[-1].startswith("tracemem: fit: 4/4 layouts, the closest 1/1 in full, traces ")

@@ -235,8 +235,9 @@ MODULE_CLASSES = {
 }
 _MODEL_TYPES = {"Llama3Model.Config": "llama", "Qwen3Model.Config": "qwen3",
                 "DeepSeekV3Model.Config": "deepseek_v3"}
-_INSTALL = ("torchtitan 0.3.0 is not importable here; install it and what it imports "
-            "(tests/tracemem/frontdoors/test_torchtitan.py names the pinned set)")
+_INSTALL = ("torchtitan 0.3.0 is not importable here; install it and what it imports: "
+            "make test does, or pip install --no-deps -r requirements-torchtitan.txt in a "
+            "clone of tracemem (the pinned set)")
 
 
 def check_importable() -> None:
