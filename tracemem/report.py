@@ -637,8 +637,8 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
     ``fits`` (``tracemem.advice.what_fits``) what would fit. The table fits ``TABLE_WIDTH``
     columns (``estimate_columns``); ``wide`` shows every column (comm, temporaries,
     workspaces, frag.). ``hbm_from_gpu``: the --gpu whose memory (``GPU_MEMORY``) stood in
-    for a --hbm not given, said under the verdict, as is a --hbm above the --gpu's memory
-    (``_hbm_over_gpu``)."""
+    for a --hbm not given, said under the verdict, as is a --hbm above the --gpu's memory or
+    its data-sheet figure in GB (``_hbm_over_gpu``)."""
     if units == "auto":
         units = pick_units(result.worst.peak_bytes)
     elif units not in UNITS:
@@ -697,12 +697,22 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
 
 def _hbm_over_gpu(job) -> str | None:
     """A line when ``job``'s --hbm is more than its --gpu has (``GPU_MEMORY``; kinds sold in
-    one size only), else None: the verdict is against the --hbm given."""
+    one size only), or is the GPU's data-sheet figure in 10^9-byte GB where ``GPU_MEMORY``
+    reads it as GiB ("80GB" with an H800: 74.51 GiB, not 80); else None. The verdict is
+    against the --hbm given either way."""
     from tracemem.job import GPU_MEMORY, parse_bytes
 
     gpu, hbm = getattr(job, "gpu", None), getattr(job, "hbm_bytes", None)
     known = GPU_MEMORY.get(gpu) if gpu is not None else None
-    if known is None or hbm is None or hbm <= parse_bytes(known[0]):
+    if known is None or hbm is None:
+        return None
+    size = parse_bytes(known[0])
+    if hbm * 2**30 == size * 10**9:  # the same number, in GB
+        return (f"HBM: --hbm {job.hbm} is {hbm // 10**9} x 10^9 B "
+                f"({_size_label(hbm, 'GiB')}); the {gpu}'s data sheet figure read as GiB, as "
+                f"--gpu {gpu} alone reads it ({known[1]}), is {_size_label(size, 'GiB', True)}:"
+                f" give --hbm {known[0]} to judge against that.")
+    if hbm <= size:
         return None
     size = parse_bytes(known[0])
     return (f"HBM: --hbm {_size_label(hbm, 'GiB', given=True)} is more than the {gpu}'s "

@@ -652,6 +652,13 @@ def test_gpu_without_hbm_judges_against_its_memory_and_says_so(capsys):
         capsys.readouterr().out.splitlines()
     assert main(args + ["--gpu", "A100", "--hbm", "200GiB"]) == 0  # no single size: no line
     assert "HBM:" not in capsys.readouterr().out
+    # the data sheet's 80GB in 10^9-byte GB: 80 x 10^9 B = 74.51 GiB, said beside the reading
+    # --gpu H100 alone takes (80 GiB)
+    assert main(args + ["--gpu", "H100", "--hbm", "80GB"]) == 0
+    assert ("HBM: --hbm 80GB is 80 x 10^9 B (74.51 GiB); the H100's data sheet figure read as "
+            "GiB, as --gpu H100 alone reads it (NVIDIA H100 Tensor Core GPU data sheet, H100 "
+            "SXM: 80GB), is 80 GiB: give --hbm 80GiB to judge against that.") in \
+        capsys.readouterr().out.splitlines()
     assert main(args + ["--gpu", "A100"]) == 0  # 40 GB and 80 GB: no single size
     assert ("HBM: --gpu A100 is sold in more than one memory size; give --hbm (e.g. --hbm "
             "80GiB) to say whether it fits.") in capsys.readouterr().out.splitlines()
