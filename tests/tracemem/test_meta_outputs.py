@@ -91,3 +91,22 @@ def test_what_is_not_remembered():
     key_true, _ = outputs.key(torch.ops.aten.mm.default, (torch.Tensor,), (x, True), {})
     key_one, _ = outputs.key(torch.ops.aten.mm.default, (torch.Tensor,), (x, 1), {})
     assert key_true != key_one
+
+
+def test_a_tracer_can_run_every_kernel():
+    from tracemem.tracer import MemoryTracer
+
+    def step(remember: bool) -> tuple[list, int]:
+        model = torch.nn.Linear(8, 4, device="meta")
+        x = torch.empty(2, 8, device="meta")
+        tracer = MemoryTracer(remember_meta_outputs=remember)
+        tracer.track_external(model, x)
+        hits = tracer_module.META_OUTPUTS.hits
+        with tracer:
+            for _ in range(2):
+                model(x).sum().backward()
+        return ([(e.action, e.nbytes, e.op, e.category) for e in tracer.events],
+                tracer_module.META_OUTPUTS.hits - hits)
+    kept, hits = step(True)
+    plain, none = step(False)
+    assert hits > 0 and none == 0 and kept == plain
