@@ -638,7 +638,7 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
     columns (``estimate_columns``); ``wide`` shows every column (comm, temporaries,
     workspaces, frag.). ``hbm_from_gpu``: the --gpu whose memory (``GPU_MEMORY``) stood in
     for a --hbm not given, said under the verdict, as is a --hbm above the --gpu's memory or
-    its data-sheet figure in GB (``_hbm_over_gpu``)."""
+    its data-sheet figure in GB (``_hbm_gpu_note``)."""
     if units == "auto":
         units = pick_units(result.worst.peak_bytes)
     elif units not in UNITS:
@@ -684,9 +684,9 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
                          f"per GPU ({source}, read as GiB; CUDA sees a little less); give "
                          f"--hbm to set it.")
     else:
-        over = _hbm_over_gpu(result.job)
-        if over:
-            lines.append(over)
+        note = _hbm_gpu_note(result.job)
+        if note:
+            lines.append(note)
     host = format_host_memory(verdict, units)
     if host:  # --optimizer-cpu-offload
         lines.append(host)
@@ -695,7 +695,7 @@ def format_estimate(result, units: str = "GiB", fits: Sequence[Any] | None = Non
     return "\n".join(lines)
 
 
-def _hbm_over_gpu(job) -> str | None:
+def _hbm_gpu_note(job) -> str | None:
     """A line when ``job``'s --hbm is more than its --gpu has (``GPU_MEMORY``; kinds sold in
     one size only), or is the GPU's data-sheet figure in 10^9-byte GB where ``GPU_MEMORY``
     reads it as GiB ("80GB" with an H800: 74.51 GiB, not 80); else None. The verdict is

@@ -27,7 +27,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tracemem.categories import Category, Phase
@@ -736,8 +736,10 @@ class MemoryTracer(TorchDispatchMode):
             if mutable and rec is not None:
                 inputs.append((t, rec))
         key = None
+        # no other mode below the tracer (the stack without it, while it runs): its own
+        # length, not _get_current_dispatch_mode_stack's list, on this per-op path
         if self._remember and META_OUTPUTS.cacheable(func) \
-                and not _get_current_dispatch_mode_stack():
+                and not torch._C._len_torch_dispatch_stack():
             key, tensors = META_OUTPUTS.key(func, types, args, kwargs)
         entry = None if key is None else META_OUTPUTS.outputs.get(key, False)
         try:
