@@ -58,7 +58,8 @@ def probed(k: int) -> bool:
     every boundary would, while a state that never repeats (an allocator whose blocks keep
     moving) is hashed O(log k) times instead of k times. Which boundaries are probed decides
     only when a cycle is found: the results are the same either way."""
-    return k < DENSE_PROBES or k % (1 << (k.bit_length() - 4)) == 0
+    # the stride doubles with k from 2 at DENSE_PROBES: DENSE_PROBES / 2 probes per doubling
+    return k < DENSE_PROBES or k % (1 << (k.bit_length() - DENSE_PROBES.bit_length() + 1)) == 0
 
 
 class Stretch(NamedTuple):
