@@ -683,9 +683,11 @@ class _Engine:
             import concurrent.futures as cf
             import multiprocessing
 
-            # spawn, not fork: a forked torch can deadlock on its threads' locks
+            # spawn, not fork: a forked torch can deadlock on its threads' locks; workers
+            # ignore Ctrl-C (the terminal sends it to them too): this process ends them
             self.pool = cf.ProcessPoolExecutor(
-                max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+                max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_ignore_interrupts)
 
     def run(self, job, groups, screen: bool, report) -> None:
         """``job``: ``(base Job, cache_dir, run id)``."""
@@ -710,11 +712,23 @@ class _Engine:
                     done = _run_group(job[0], group, *job[1:], screen)
                 report(*done)
 
-    def close(self) -> None:
+    def close(self, interrupted: bool = False) -> None:
+        """Shut the workers down; ``interrupted`` (Ctrl-C): end them now, not after their
+        current layouts (a worker waiting on its queue would never wake for a join)."""
         if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
+            if interrupted:
+                for process in list(getattr(self.pool, "_processes", {}).values()):
+                    process.terminate()
+            self.pool.shutdown(wait=not interrupted, cancel_futures=True)
         if self.started:
             self.ray.shutdown()
+
+
+def _ignore_interrupts() -> None:
+    """A local worker's initializer: SIGINT ignored (``_Engine.close`` ends the workers)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
@@ -853,6 +867,7 @@ def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
                       "reused": counts["reused"] + counts["loaded"], "eta_s": eta})
 
     runner = _Engine(engine, min(workers, len(layouts)), address)
+    interrupted = False
     try:
         runner.run(job, _groups(layouts), True, report)
         order = {layout: i for i, layout in enumerate(layouts)}
@@ -872,8 +887,11 @@ def fit(model, *, space: SearchSpace | None = None, workers: int | None = None,
             runner.run(job, [[layout] for layout in todo], False, report)
             known.update({r.layout: r for r in rows})
         exact = nearest if closest else []
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
-        runner.close()
+        runner.close(interrupted)
     from tracemem.formulas.cost import rank_key
 
     fitting = sorted((r for r in screened_rows if r.fits),
