@@ -248,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="CUBLAS_WORKSPACE_CONFIG as the job sets it (e.g. :4096:8): sizes "
                            "PyTorch's cuBLAS workspaces (with --gpu); a Megatron-LM job "
                            "takes it from the environment variable CUBLAS_WORKSPACE_CONFIG")
+    step.add_argument("--torch-cublas-default", choices=("2.13", "sm90"), default=None,
+                      help="which PyTorch default sizes its cuBLAS workspaces where "
+                           "CUBLAS_WORKSPACE_CONFIG is unset: 2.13 (default), 32 MiB on Hopper "
+                           "and Blackwell; sm90, 32 MiB on Hopper only and 8,519,680 B on "
+                           "Blackwell, a torch before pytorch/pytorch#175344 (2026-02-19), "
+                           "such as NGC PyTorch 26.02's (with --gpu)")
     step.add_argument("--optimizer", default="fused", type=str.lower,
                       help="the optimizer step's Adam: fused (Megatron's TE / apex FusedAdam, no "
                            "temporaries) or torch (torch.optim.Adam, foreach, traced) (default "
@@ -737,6 +743,8 @@ def _flag_fields(args: argparse.Namespace) -> dict:
             ranks_per_node=args.ranks_per_node, ema=args.ema,
             alloc_conf=args.alloc_conf, gpu=args.gpu,
             cublas_workspace_config=args.cublas_workspace_config,
+            **({} if args.torch_cublas_default is None else
+               {"torch_cublas_default": args.torch_cublas_default}),
             **({} if args.non_pytorch_memory is None else
                {"non_pytorch_memory": args.non_pytorch_memory}))
     if hasattr(args, "space_tp"):  # tracemem fit: the settings every layout shares

@@ -1316,6 +1316,7 @@ def step_key(job: Job) -> tuple:
     par = job.parallel
     return (par.zero, tuple(par.shards(r.quantity, r.kind) for r in SHARDING),
             repr(par.precision_spec), job.optimizer, job.gpu, job.cublas_workspace_config,
+            job.torch_cublas_default,
             job.optimizer_offload, pp_keeps_gathered(par), job.ema)
 
 
@@ -1337,7 +1338,8 @@ def _with_workspaces(job: Job, model, static: StaticMemory) -> StaticMemory:
 
     kept = workspaces(model, gpu=job.gpu, kernels=job.profile, recompute=job.recompute,
                       micro_batch_size=job.micro_batch_size, seq_length=job.seq_length,
-                      cublas_workspace_config=job.cublas_workspace_config)
+                      cublas_workspace_config=job.cublas_workspace_config,
+                      torch_cublas_default=job.torch_cublas_default)
     if job.ema == "host":  # DeepSeek-V3's EMA in CPU memory: host bytes only
         from tracemem.offload import ema_host_bytes
 

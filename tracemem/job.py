@@ -48,7 +48,7 @@ __all__ = ["Job", "parse_bytes", "size_unit", "BINARY_UNITS", "DECIMAL_UNITS", "
            "NON_PYTORCH_MEMORY_DEFAULT", "MAX_TOKENS", "MAX_MICROBATCHES", "MAX_HBM_BYTES",
            "MAX_EP_CLASSES", "MAX_WORLD_SIZE", "MAX_VIRTUAL_STAGES", "MAX_ROUNDING",
            "MAX_TENSOR_BYTES", "RENAMED", "job_fields", "padded_vocab_size", "check_fields",
-           "check_layout_bounds", "check_tensor_bytes", "GPUS"]
+           "check_layout_bounds", "check_tensor_bytes", "GPUS", "TORCH_CUBLAS_DEFAULTS"]
 
 # Size units: binary (IEC, 2^10 steps) and decimal (SI, 10^3 steps, as GPU data sheets print
 # "80 GB"); a plain number is bytes. Matched without regard to case ("80gib", "80 GB").
@@ -345,6 +345,12 @@ _LAYOUT_FIELDS = ("tp", "sp", "cp", "ep", "etp", "pp", "vpp", "pp_layout",
 ORIGINS = ("python", "flags", "megatron", "torchtitan")
 EMA_PLACES = ("none", "host")  # where an EMA of the weights lives (Job.ema)
 # GPU kinds by name -> CUDA compute capability (NVIDIA's CUDA GPUs table)
+# Which PyTorch default sizes its cuBLAS workspaces where CUBLAS_WORKSPACE_CONFIG is unset
+# (tracemem.workspaces.torch_cublas_workspace_bytes): "2.13", 32 MiB on compute capability
+# majors 9, 10 and 12 (since pytorch/pytorch#175344, merged 2026-02-19); "sm90", 32 MiB on
+# 9.0 only, the code before it (Blackwell then took 8,519,680 B)
+TORCH_CUBLAS_DEFAULTS = ("2.13", "sm90")
+
 GPUS = {"A100": (8, 0), "H100": (9, 0), "H200": (9, 0), "H800": (9, 0), "B200": (10, 0),
         "GB200": (10, 0)}
 # GPU kinds by name -> (device memory as --hbm takes it, its source), what `estimate --gpu`
@@ -414,7 +420,10 @@ class Job:
             alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` string for the simulated allocator.
             cublas_workspace_config: a ``CUBLAS_WORKSPACE_CONFIG`` string (``:SIZE:COUNT``
             pairs, KiB), the size of PyTorch's cuBLAS workspaces (``tracemem.workspaces``);
-            None: torch's default for the GPU.
+            None: torch's default for the GPU. torch_cublas_default: which PyTorch default
+            that is (``TORCH_CUBLAS_DEFAULTS``): "2.13" (32 MiB on Hopper and Blackwell), or
+            "sm90" for a torch before pytorch/pytorch#175344 (2026-02-19; NGC PyTorch
+            containers up to 26.02), where Blackwell's default was 8,519,680 B.
         replace: the user's own layers (``modeling.common.custom.resolve_replacements``).
         make_vocab_size_divisible_by: Megatron's vocabulary padding (module docstring).
         gpu: the GPU kind (``GPUS``), what the allocations below the dispatcher depend on
@@ -506,6 +515,7 @@ class Job:
     non_pytorch_memory: str = NON_PYTORCH_MEMORY_DEFAULT
     alloc_conf: str | None = None
     cublas_workspace_config: str | None = None
+    torch_cublas_default: str = "2.13"
     replace: Any = None
     make_vocab_size_divisible_by: int | None = None
     gpu: str | None = None
@@ -609,6 +619,14 @@ class Job:
         put(self, "rounding", rounding or None)  # 0: exact bytes, as None
         check_recompute_method(self.recompute, self.recompute_method, self.recompute_num_layers)
         check_cublas_workspace_config(self.cublas_workspace_config)
+        if self.torch_cublas_default not in TORCH_CUBLAS_DEFAULTS:
+            raise TracememError(f"--torch-cublas-default {_show(self.torch_cublas_default)} is "
+                                f"invalid; choose one of {', '.join(TORCH_CUBLAS_DEFAULTS)} "
+                                f"(sm90: a torch before pytorch/pytorch#175344, such as NGC "
+                                f"PyTorch 26.02's)")
+        if self.torch_cublas_default != "2.13" and self.gpu is None:
+            raise TracememError("--torch-cublas-default sizes PyTorch's cuBLAS workspaces, "
+                                "which are counted with --gpu only: give --gpu (e.g. GB200)")
         hbm_bytes = parse_bytes(self.hbm) if self.hbm is not None else None
         put(self, "hbm_bytes", hbm_bytes)
         options = dict(self.kernel_options or {})
@@ -742,7 +760,8 @@ class Job:
             refuse("--recompute-modules", modules, "module names (a tuple of strings), such "
                                                    "as ('core_attn',)")
         for flag, value in (("--alloc-conf", self.alloc_conf), ("--gpu", self.gpu),
-                            ("cublas_workspace_config", self.cublas_workspace_config)):
+                            ("cublas_workspace_config", self.cublas_workspace_config),
+                            ("--torch-cublas-default", self.torch_cublas_default)):
             if value is not None and not isinstance(value, str):
                 refuse(flag, value, "a string")
         for name in ("attention", "experts", "recompute", "recompute_method", "optimizer"):
@@ -856,7 +875,8 @@ class Job:
                 "replace": {kind: getattr(f, "__qualname__", repr(f))
                             for kind, f in self.replacements.items()},
                 "vocab_size": self.config.vocab_size, "origin": self.origin, "gpu": self.gpu,
-                "cublas_workspace_config": self.cublas_workspace_config}
+                "cublas_workspace_config": self.cublas_workspace_config,
+                "torch_cublas_default": self.torch_cublas_default}
 
 
 def job_fields() -> tuple[str, ...]:

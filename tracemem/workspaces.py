@@ -20,7 +20,10 @@ pins for its CI image), Megatron-LM d98e8a6.
    ``c10::cuda::CUDACachingAllocator::get()->allocate(getChosenWorkspaceSize())``). Size:
    ``parseChosenWorkspaceSize``, ``CUBLAS_WORKSPACE_CONFIG`` unset: 4096 * 8 KiB = 32 MiB on
    compute capability major 9, 10 and 12 (Hopper, Blackwell), else ``:4096:2:16:8`` =
-   8,519,680 B (A100). Handles are per thread (``DeviceThreadHandlePool``, a thread-local
+   8,519,680 B (A100). Before pytorch/pytorch#175344 (merged 2026-02-19) the 32 MiB default
+   was sm90's alone (``major == 9 && minor == 0``), so Blackwell took 8,519,680 B: the job's
+   ``torch_cublas_default`` "sm90" (NGC PyTorch containers up to 26.02 run such a torch:
+   ``tracemem.validation.megatron_ci.torch_cublas_default``). Handles are per thread (``DeviceThreadHandlePool``, a thread-local
    ``PoolWindow``): forward GEMMs run on the main thread, backward ones on autograd's device
    thread, on the stream of their forward op, so a rank makes one workspace per (thread,
    stream) pair that runs a torch GEMM. cuBLASLt shares it: ``getCUDABlasLtWorkspace`` with
@@ -149,11 +152,11 @@ from modeling.common.router import Gate
 from modeling.kernels import get_profile
 from modeling.kernels.attention import UNFUSED_IMPLS
 from tracemem.errors import TracememError
-from tracemem.job import GPUS
+from tracemem.job import GPUS, TORCH_CUBLAS_DEFAULTS
 
 __all__ = ["Workspace", "workspaces", "FIRST_USES", "RECOMPUTE_CHOICES",
            "torch_cublas_workspace_bytes", "te_cublas_workspace_bytes", "TE_NUM_CUBLAS_STREAMS",
-           "ROPE_CACHE_SIZE"]
+           "ROPE_CACHE_SIZE", "TORCH_CUBLAS_DEFAULTS"]
 
 FIRST_USES = ("forward", "backward")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
@@ -185,16 +188,27 @@ class Workspace:
 
 
 def torch_cublas_workspace_bytes(capability: tuple[int, int],
-                                 config: str | None = None) -> int:
+                                 config: str | None = None,
+                                 default_rule: str = "2.13") -> int:
     """PyTorch's cuBLAS workspace per (handle, stream) on a GPU of compute ``capability``:
     torch 2.13 ``CublasHandlePool.cpp`` ``parseChosenWorkspaceSize``. With
     ``CUBLAS_WORKSPACE_CONFIG`` (``config``) set, the sum over its ``:SIZE:COUNT`` matches
     (regex ``:([0-9]+):([0-9]+)``) of SIZE KiB x COUNT, whatever the GPU (Megatron's
     deterministic runs set ``:4096:8``: 32 MiB, also on A100); a value with no match warns
-    and takes the default. Unset (None), the default: "32MiB for Hopper and Blackwell"
-    (major 9, 10 or 12), otherwise ``:4096:2:16:8``, two 4 MiB and eight 16 KiB chunks."""
-    default = 4096 * 8 * 1024 if capability[0] in (9, 10, 12) \
-        else 4096 * 1024 * 2 + 16 * 1024 * 8
+    and takes the default. Unset (None), the default, by ``default_rule``
+    (``TORCH_CUBLAS_DEFAULTS``): "2.13", "32MiB for Hopper and Blackwell" (major 9, 10 or
+    12; pytorch/pytorch#175344, merged 2026-02-19); "sm90", the code before it, "32MiB for
+    Hopper" (``const bool sm90 = properties->major == 9 && properties->minor == 0``);
+    otherwise ``:4096:2:16:8``, two 4 MiB and eight 16 KiB chunks.
+
+    Raises:
+        TracememError: an unknown ``default_rule``."""
+    if default_rule not in TORCH_CUBLAS_DEFAULTS:
+        raise TracememError(f"torch_cublas_default {default_rule!r} is invalid; choose one "
+                            f"of {', '.join(TORCH_CUBLAS_DEFAULTS)}")
+    large = (capability[0] in (9, 10, 12) if default_rule == "2.13"
+             else tuple(capability) == (9, 0))
+    default = 4096 * 8 * 1024 if large else 4096 * 1024 * 2 + 16 * 1024 * 8
     if config is None:
         return default
     matches = re.findall(r":([0-9]+):([0-9]+)", config)
@@ -215,7 +229,8 @@ def te_cublas_workspace_bytes(capability: tuple[int, int]) -> int:
 def workspaces(model: nn.Module, *, gpu: str | None, kernels, recompute: str = "none",
                micro_batch_size: int | None = None,
                seq_length: int | None = None,
-               cublas_workspace_config: str | None = None) -> list[Workspace]:
+               cublas_workspace_config: str | None = None,
+               torch_cublas_default: str = "2.13") -> list[Workspace]:
     """The allocations below the dispatcher that ``model`` (one rank, as
     ``modeling.parallel.build.build_rank`` builds it) keeps on a ``gpu``
     (``tracemem.job.GPUS``; None: the GPU is not known, nothing is counted) running the
@@ -225,13 +240,16 @@ def workspaces(model: nn.Module, *, gpu: str | None, kernels, recompute: str = "
     sequence before context parallelism) size the items that depend on the sequence (RoPE's
     cache, Megatron's global memory buffer). ``recompute`` ("none", "selective", "full") is
     checked and changes nothing (module docstring). ``cublas_workspace_config``: the job's
-    ``CUBLAS_WORKSPACE_CONFIG`` (``torch_cublas_workspace_bytes``), None when unset.
+    ``CUBLAS_WORKSPACE_CONFIG`` (``torch_cublas_workspace_bytes``), None when unset;
+    ``torch_cublas_default``: which PyTorch default applies when it is unset
+    (``TORCH_CUBLAS_DEFAULTS``).
 
     Returns the items in a fixed order (PyTorch cuBLAS, TE cuBLAS, Megatron's global buffer,
     RoPE, dummy weight gradients), each a separate allocation.
 
     Raises:
-        TracememError: an unknown ``gpu`` or ``recompute``; ``micro_batch_size`` or
+        TracememError: an unknown ``gpu``, ``recompute`` or ``torch_cublas_default``;
+            ``micro_batch_size`` or
             ``seq_length`` missing or below 1 where an item depends on them.
     """
     if recompute not in RECOMPUTE_CHOICES:
@@ -245,7 +263,7 @@ def workspaces(model: nn.Module, *, gpu: str | None, kernels, recompute: str = "
     profile = get_profile(kernels)
     megatron = profile.orchestration == "megatron"
     modules = _Modules(model, megatron)
-    out = _torch_cublas(modules, capability, cublas_workspace_config)
+    out = _torch_cublas(modules, capability, cublas_workspace_config, torch_cublas_default)
     if not megatron:
         return out
     out += _te_cublas(modules, capability)
@@ -358,13 +376,15 @@ def _expert_weights(path: str, experts: nn.Module) -> list:
     return [(f"{path}.linear_fc1", fc1, dtype, which), (f"{path}.linear_fc2", fc2, dtype, which)]
 
 
-def _torch_cublas(modules: _Modules, capability, config: str | None = None
-                  ) -> list[Workspace]:
+def _torch_cublas(modules: _Modules, capability, config: str | None = None,
+                  default_rule: str = "2.13") -> list[Workspace]:
     """One per (thread, stream) running a torch GEMM: the main thread's in forward, autograd's
     device thread's in backward, on each stream that runs one."""
-    nbytes = torch_cublas_workspace_bytes(capability, config)
+    nbytes = torch_cublas_workspace_bytes(capability, config, default_rule)
     source = (f"{_TORCH} getCurrentCUDABlasHandle, setWorkspaceForHandle, getNewWorkspace, "
               f"parseChosenWorkspaceSize")
+    if config is None and default_rule != "2.13":
+        source += " (its default before pytorch/pytorch#175344: 32 MiB on sm90 only)"
     out = []
     for stream in sorted(modules.torch_gemm_streams):  # "current" before "shared-expert"
         where, src = ("current stream", source) if stream == "current" else (

@@ -704,6 +704,20 @@ def test_cublas_workspace_config_has_a_flag():
     assert torch_cublas_workspace_bytes((9, 0), ":4096:8") == 4096 * 1024 * 8
 
 
+def test_torch_cublas_default_has_a_flag():
+    from tracemem.cli import build_parser, job_from_args
+
+    def job(*extra):
+        return job_from_args(build_parser().parse_args([
+            "estimate", "--model", "deepseek-tiny", "--world-size", "1",
+            "--micro-batch-size", "1", "--seq-length", "16", "--num-microbatches", "1",
+            *extra]))
+
+    assert job("--gpu", "GB200").torch_cublas_default == "2.13"
+    assert job("--gpu", "GB200", "--torch-cublas-default", "sm90").torch_cublas_default \
+        == "sm90"
+
+
 def test_long_changes_wrap_between_flags_never_inside_one():
     from tracemem.report import _flag_lines
 
@@ -805,6 +819,9 @@ TINY_FLAGS = ["estimate", "--model", "deepseek-tiny", "--world-size", "2", "--pp
     (["--cublas-workspace-config", ":4096:8"],  # no --gpu: it would change nothing
      "--cublas-workspace-config sizes PyTorch's cuBLAS workspaces, which are counted with "
      "--gpu only: give --gpu (e.g. H100)"),
+    (["--torch-cublas-default", "sm90"],  # no --gpu: it would change nothing
+     "--torch-cublas-default sizes PyTorch's cuBLAS workspaces, which are counted with --gpu "
+     "only: give --gpu (e.g. GB200)"),
     (["--print-megatron-args"],  # megatron-te's default cross entropy, by its flag
      "--cross-entropy-fusion te (megatron-te's default) has no Megatron-LM argument "
      "(Megatron-LM refuses --cross-entropy-fusion-impl te: validate_args); give "

@@ -50,6 +50,11 @@ def test_microbatches_from_the_global_batch():
     ({"num_microbatches": 1, "tp": 2}, r"--tp > 1 on an MoE model needs --sp \(Megatron-Core "
                                        r"d98e8a6 megatron/core/transformer/moe/moe_layer.py "
                                        r"MoELayer.forward"),
+    ({"num_microbatches": 1, "gpu": "GB200", "torch_cublas_default": "2.9"},
+     r"--torch-cublas-default '2.9' is invalid; choose one of 2.13, sm90"),
+    ({"num_microbatches": 1, "torch_cublas_default": "sm90"},
+     r"--torch-cublas-default sizes PyTorch's cuBLAS workspaces, which are counted with --gpu "
+     r"only"),
 ])
 def test_a_bad_job_is_one_line(fields, message):
     with pytest.raises(TracememError, match=message):

@@ -66,6 +66,27 @@ def test_sizes_per_architecture():
     assert te_cublas_workspace_bytes((10, 0)) == 33_555_456
 
 
+def test_the_default_before_pytorch_175344_is_sm90s_alone():
+    # CublasHandlePool.cpp before pytorch/pytorch#175344: 32 MiB where major == 9 and
+    # minor == 0, else :4096:2:16:8 = 2 x 4 MiB + 8 x 16 KiB
+    assert torch_cublas_workspace_bytes((9, 0), None, "sm90") == 33_554_432
+    assert torch_cublas_workspace_bytes((10, 0), None, "sm90") == 2 * 4_194_304 + 8 * 16_384
+    assert torch_cublas_workspace_bytes((12, 0), None, "sm90") == 8_519_680
+    assert torch_cublas_workspace_bytes((8, 0), None, "sm90") == 8_519_680
+    # a CUBLAS_WORKSPACE_CONFIG set is the same under both
+    assert torch_cublas_workspace_bytes((10, 0), ":4096:8", "sm90") == 33_554_432
+    with pytest.raises(TracememError, match=r"torch_cublas_default 'x' is invalid"):
+        torch_cublas_workspace_bytes((10, 0), None, "x")
+    # the GB200 last stage: its two PyTorch workspaces, nothing else moves
+    old = workspaces(rank(GPT, 3), gpu="GB200", kernels=MTE, micro_batch_size=B, seq_length=S)
+    new = workspaces(rank(GPT, 3), gpu="GB200", kernels=MTE, micro_batch_size=B, seq_length=S,
+                     torch_cublas_default="sm90")
+    assert sizes(new, "PyTorch") == [8_519_680, 8_519_680]
+    assert (sum(w.nbytes for w in old) - sum(w.nbytes for w in new)
+            == 2 * (33_554_432 - 8_519_680) == 50_069_504)
+    assert all("#175344" in w.source for w in new if w.name.startswith("PyTorch"))
+
+
 def test_gpt_last_stage_itemised_by_hand():
     # gpt-tiny (h 64, 4 heads, 4h MLP, no RoPE) at TP 2 + SP, PP 2: rank 3 holds layers 2-3,
     # the final norm and the output layer [V / TP, h] = [128, 64]

@@ -79,6 +79,21 @@ comes from are older commits, each case's own, see "Pairing" below):
   the case's pairing commit (``runner_quotes_metacharacters``), as
   ``tracemem.frontdoors.megatron_args_from_yaml`` does for a file with today's.
   ``${DATA_PATH}`` and the other placeholders stay as written (paths).
+- **PyTorch in the container.** Where ``CUBLAS_WORKSPACE_CONFIG`` is unset, PyTorch sizes its
+  cuBLAS workspaces by its own default (``tracemem.workspaces.torch_cublas_workspace_bytes``),
+  and on Blackwell that default changed with pytorch/pytorch#175344 (merged 2026-02-19):
+  32 MiB since, 8,519,680 B before (``sm90 = major == 9 && minor == 0``). ``torch_cublas_
+  default`` reads the case's container: NGC PyTorch up to 26.02 runs a torch before it ("sm90"),
+  26.04 and later one after it ("2.13"). The evidence for the line between 26.02 and 26.04:
+  Megatron-LM 5fe3f06658 (PR #4611, "Update Docker image version to 26.04-py3", 2026-05-07)
+  refreshed 80 golden files; every GB200 run there without ``CUBLAS_WORKSPACE_CONFIG`` rose by
+  49.3 to 50.7 MB after the step (``deepseek_proxy_fsdp_ep2_fsdp2_1node``: 50,069,504 B,
+  exactly 2 x (33,554,432 - 8,519,680), two workspaces growing), while the runs that set
+  ``:4096:8`` (32 MiB whatever the torch) and every H100 run moved by 2.1 MB or less; and
+  Megatron-LM prepared its 26.02 dependencies by 2026-01-14 (82049aa847, "26.02 dependency
+  bump main"), before the pull request. The NGC release notes for 26.02 and 26.04 (which
+  would name the torch commits) are not read here. A100 and Hopper take the same bytes under
+  both rules.
 - **Vocabulary.** Most cases read the GPT-2 BPE vocabulary from a file (``--vocab-file
   .../bpe/vocab.json``), which Megatron's ``GPT2BPETokenizer`` (Hugging Face "gpt2") sizes at
   50,257 (collect.py ``GPT2_VOCAB`` cites the sources); ``case_job_kwargs`` passes that as
@@ -107,7 +122,8 @@ from typing import Any, Mapping
 from tracemem.errors import TracememError
 
 __all__ = ["CICase", "load_cases", "load_index", "case_job_kwargs", "selection",
-           "model_args_argv", "DATA", "SCORED_PLATFORMS", "Inference", "INFERENCES"]
+           "model_args_argv", "DATA", "SCORED_PLATFORMS", "Inference", "INFERENCES",
+           "torch_cublas_default"]
 
 DATA = Path(__file__).with_name("megatron_ci")
 # the platforms the board scores, in its order: H100 first, then A100 and GB200 as their own
@@ -345,7 +361,8 @@ def load_cases() -> list[CICase]:
 def case_job_kwargs(case: CICase) -> dict[str, Any]:
     """The case's ``tracemem.job.Job`` keywords, through the Megatron-LM front door
     (``tracemem.frontdoors.megatron_job_kwargs``) with its MODEL_ARGS, ENV_VARS, world size
-    and, where the tokenizer file's is known, vocabulary size.
+    and, where the tokenizer file's is known, vocabulary size; with its GPU kind (``gpu``) and
+    its container's PyTorch cuBLAS default (``torch_cublas_default``).
 
     Raises:
         TracememError: no world size (the reason), or the front door's refusal (one line,
@@ -355,8 +372,30 @@ def case_job_kwargs(case: CICase) -> dict[str, Any]:
 
     if case.world_size is None:
         raise TracememError(f"{case.name}: no world size: {case.world_size_reason}")
-    return megatron_job_kwargs(case.argv, env=dict(case.env_vars),
-                               world_size=case.world_size, vocab_size=case.vocab_size)
+    kwargs = megatron_job_kwargs(case.argv, env=dict(case.env_vars),
+                                 world_size=case.world_size, vocab_size=case.vocab_size)
+    return kwargs | {"gpu": case.gpu,
+                     "torch_cublas_default": (torch_cublas_default(case.container)
+                                              if case.gpu else "2.13")}
+
+
+# The first NGC PyTorch container (YY.MM) whose torch has pytorch/pytorch#175344 (the module
+# docstring, "PyTorch in the container": the evidence)
+_FIRST_CONTAINER_WITH_175344 = (26, 4)
+
+
+def torch_cublas_default(container: str | None) -> str:
+    """The ``Job.torch_cublas_default`` of a run in ``container``
+    (``nvcr.io/nvidia/pytorch:YY.MM-py3``): "sm90" up to 26.02, "2.13" from 26.04 (the module
+    docstring, "PyTorch in the container"); "2.13", tracemem's torch, where the container is
+    not recorded or not an NGC PyTorch tag."""
+    import re
+
+    match = re.fullmatch(r"nvcr\.io/nvidia/pytorch:(\d\d)\.(\d\d)-py3", container or "")
+    if match is None:
+        return "2.13"
+    return ("sm90" if (int(match[1]), int(match[2])) < _FIRST_CONTAINER_WITH_175344
+            else "2.13")
 
 
 def _data_reason(case: CICase) -> str | None:

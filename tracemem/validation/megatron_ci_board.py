@@ -202,7 +202,7 @@ def score_case(case) -> BoardRow:
     from tracemem.job import Job
     from tracemem.validation.megatron_ci import case_job_kwargs
 
-    job = Job(**case_job_kwargs(case), gpu=case.gpu)
+    job = Job(**case_job_kwargs(case))
     unit = _logged_class(job)
     (traced,) = trace_classes(job, [unit], TraceCache())
     replay_class(job, traced)

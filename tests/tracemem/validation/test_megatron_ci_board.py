@@ -31,7 +31,7 @@ def test_one_case_end_to_end(case):
     assert (row.measured_iteration, row.measured_bytes) == (2, 4_702_430_720)
     assert (row.world_size, row.pp_stage, row.rank) == (8, 0, 7)  # PP 1: global rank 7
     # the logged rank alone, as the full estimate of the same job gives it
-    full = estimate(Job(**case_job_kwargs(case), gpu=case.gpu))
+    full = estimate(Job(**case_job_kwargs(case)))
     assert row.tracemem_bytes == full.ranks[-1].allocated_peak_bytes
     assert row.error == row.tracemem_bytes / 4_702_430_720 - 1
     # the after-step check: mem-allocated-bytes at iteration 2 against the static memory and

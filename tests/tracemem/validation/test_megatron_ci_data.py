@@ -237,6 +237,32 @@ def test_model_args_argv_follows_the_test_runner():
         run_training_words("--x", 'a"b')
 
 
+def test_the_containers_pytorch_cublas_default():
+    # NGC PyTorch up to 26.02: a torch before pytorch/pytorch#175344; 26.04 on: after it
+    assert megatron_ci.torch_cublas_default("nvcr.io/nvidia/pytorch:25.11-py3") == "sm90"
+    assert megatron_ci.torch_cublas_default("nvcr.io/nvidia/pytorch:26.02-py3") == "sm90"
+    assert megatron_ci.torch_cublas_default("nvcr.io/nvidia/pytorch:26.04-py3") == "2.13"
+    assert megatron_ci.torch_cublas_default("nvcr.io/nvidia/pytorch:26.06-py3") == "2.13"
+    assert megatron_ci.torch_cublas_default(None) == "2.13"
+    assert megatron_ci.torch_cublas_default("my/image:latest") == "2.13"
+    gb200 = _case("gpt3_mcore_te_tp2_pp2_resume_torch_dist_cp2_nondeterministic@dev_dgx_gb200")
+    kwargs = case_job_kwargs(gb200)
+    assert (kwargs["gpu"], kwargs["torch_cublas_default"]) == ("GB200", "sm90")
+    assert kwargs["cublas_workspace_config"] is None
+
+
+def test_the_evidence_for_the_26_02_line_in_the_golden_files():
+    # git show 4e85d74ae9:.../gpt3_mcore_te_tp2_pp2_resume_torch_dist_cp2_nondeterministic/
+    # golden_values_dev_dgx_{h100,gb200}.json: the same commit, container 26.02 and arguments
+    # (no CUBLAS_WORKSPACE_CONFIG), "mem-allocated-bytes" at iteration 2: 511214080.0 on H100,
+    # 461144576.0 on GB200: two PyTorch workspaces of 32 MiB against two of 8,519,680 B
+    name = "gpt3_mcore_te_tp2_pp2_resume_torch_dist_cp2_nondeterministic@dev_dgx_"
+    h100, gb200 = _case(name + "h100"), _case(name + "gb200")
+    assert h100.container == gb200.container == "nvcr.io/nvidia/pytorch:26.02-py3"
+    assert h100.allocated[2] == 511_214_080 and gb200.allocated[2] == 461_144_576
+    assert h100.allocated[2] - gb200.allocated[2] == 2 * (33_554_432 - 8_519_680)
+
+
 def test_a_case_without_a_world_size_is_refused_with_its_reason():
     unsized = [case for case in load_cases() if case.world_size is None]
     assert unsized
