@@ -232,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
                       action="store_false",
                       help="keep each stage's sent output until its backward (Megatron frees "
                            "it by default)")
+    step.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm",
+                      action="store_false",
+                      help="Megatron-LM's flag: the interleaved schedule without its p2p "
+                           "overlap, which receives the next forward's input before each "
+                           "backward (on by default, as in Megatron-LM; other schedules do "
+                           "not overlap)")
     step.add_argument("--hbm", default=None,
                       help="device memory per GPU, to say whether each rank fits: 80GiB "
                            "(binary: KiB, MiB, GiB, TiB), 80GB (decimal, as data sheets print: "
@@ -731,7 +737,8 @@ def _flag_fields(args: argparse.Namespace) -> dict:
             attention=args.attention, experts=args.experts, routing=args.routing,
             seed=args.seed,
             max_ep_classes=args.max_ep_classes, rounding=args.rounding,
-            deallocate_pipeline_outputs=args.deallocate, hbm=args.hbm,
+            deallocate_pipeline_outputs=args.deallocate,
+            overlap_p2p_comm=args.overlap_p2p_comm, hbm=args.hbm,
             zero3_prefetch=args.zero3_prefetch, optimizer=args.optimizer,
             optimizer_cpu_offload=args.optimizer_cpu_offload,
             optimizer_offload_fraction=args.optimizer_offload_fraction,

@@ -724,7 +724,8 @@ def _interleaved_refs(job: Job, rank: int) -> dict[str, tuple[tuple[str, int], .
         return n if r is None else -(-n // r) * r
     return {step: tuple((kind, rounded(n)) for kind, n in tensors)
             for step, tensors in interleaved_reference_tensors(par.pp, par.vpp,
-                                                               job.microbatches, rank, hidden)}
+                                                               job.microbatches, rank, hidden,
+                                                               job.overlap_p2p_comm)}
 
 
 _LOSSES = INTERLEAVED_REFERENCES[5]  # the losses in forward_data_store, kept after the loop

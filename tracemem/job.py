@@ -403,6 +403,10 @@ class Job:
             max_ep_classes: the most EP-rank classes traced per pipeline stage.
         rounding: CUDA block rounding in bytes (512), or 0 / None for exact bytes.
         deallocate_pipeline_outputs: Megatron's sent-output deallocation (on).
+        overlap_p2p_comm: Megatron-Core's p2p overlap in its interleaved schedule (on, as
+            Megatron-LM runs it; ``--no-overlap-p2p-communication``): the next forward's input
+            received before the backward (``tracemem.schedules.megatron_refs``). Neutral for
+            other schedules (Megatron-LM turns it off there) and other orchestrations.
         zero3_prefetch: FSDP2's backward prefetch under ZeRO-3 (on).
         optimizer: the step's Adam, "fused" or "torch" (``tracemem.optimizer_step``).
         optimizer_cpu_offload, optimizer_offload_fraction, pin_cpu_grads, pin_cpu_params:
@@ -497,6 +501,7 @@ class Job:
     # tracing and memory model
     rounding: int | None = 512
     deallocate_pipeline_outputs: bool = True
+    overlap_p2p_comm: bool = True
     zero3_prefetch: bool = True
     optimizer: str = "fused"
     optimizer_cpu_offload: bool = False
@@ -779,6 +784,7 @@ class Job:
             refuse("--replace", self.replace, "a list of 'kind=module:Name' strings or a dict "
                                               "of kind to layer")
         for flag, value in (("deallocate_pipeline_outputs", self.deallocate_pipeline_outputs),
+                            ("overlap_p2p_comm", self.overlap_p2p_comm),
                             ("zero3_prefetch", self.zero3_prefetch),
                             ("account_for_embedding_in_pipeline_split",
                              self.account_for_embedding_in_pipeline_split),
@@ -859,6 +865,7 @@ class Job:
                 "routing": self.routing, "seed": self.seed, "rounding": self.rounding or 0,
                 "kernels": self.profile.name, "kernel_options": dict(self.profile.options),
                 "deallocate_pipeline_outputs": self.deallocate_pipeline_outputs,
+                "overlap_p2p_comm": self.overlap_p2p_comm,
                 "zero3_prefetch": self.zero3_prefetch, "alloc_conf": self.alloc_config.text,
                 "non_pytorch_memory_bytes": self.non_pytorch_memory_bytes,
                 "optimizer": self.optimizer,

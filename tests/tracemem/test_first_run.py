@@ -704,7 +704,7 @@ def test_cublas_workspace_config_has_a_flag():
     assert torch_cublas_workspace_bytes((9, 0), ":4096:8") == 4096 * 1024 * 8
 
 
-def test_torch_cublas_default_has_a_flag():
+def test_torch_cublas_default_and_the_p2p_overlap_have_flags():
     from tracemem.cli import build_parser, job_from_args
 
     def job(*extra):
@@ -714,6 +714,9 @@ def test_torch_cublas_default_has_a_flag():
             *extra]))
 
     assert job("--gpu", "GB200").torch_cublas_default == "2.13"
+    # Megatron-LM's flag for the interleaved schedule's p2p overlap (on by default)
+    assert job().overlap_p2p_comm is True
+    assert job("--no-overlap-p2p-communication").overlap_p2p_comm is False
     assert job("--gpu", "GB200", "--torch-cublas-default", "sm90").torch_cublas_default \
         == "sm90"
 

@@ -387,7 +387,7 @@ def schedule_results():
 
 
 def test_megatron_cores_schedules_run_tracemems_step_order(schedule_results):
-    assert len(schedule_results) == len(schedule_oracle.SCHEDULE_CASES) == 6
+    assert len(schedule_results) == len(schedule_oracle.SCHEDULE_CASES) == 8
     for r in schedule_results:
         assert r.unexplained == [], r.case.name
         assert r.megatron_steps == r.tracemem_steps
@@ -504,6 +504,40 @@ def test_a_planted_schedule_difference_fails_the_command(monkeypatch):
     assert code == 1 and "schedule PP2 M4, rank 0: step 2" in text
 
 
+def test_the_p2p_overlap_by_hand(schedule_results):
+    # The same rank with Megatron-LM's default p2p overlap: pp_post_forward receives the next
+    # forward's input right after each steady forward, so after 3B0 the loop also holds 1F2's
+    # input (one [s, b, h] more than without the overlap); and the local input_tensor keeps the
+    # warm-up's last received input (3F0's) with its .grad to the end: two more after 1B3
+    plain, overlap = schedule_results[5], schedule_results[7]
+    assert overlap.case == schedule_oracle.ScheduleCase(pp=2, vpp=2, num_microbatches=4,
+                                                        rank=1, overlap_p2p_comm=True)
+    assert overlap.unexplained == [] and overlap.megatron_steps == plain.megatron_steps
+    assert overlap.live_bytes[3] - plain.live_bytes[3] == HIDDEN == 2_048  # after 3B0
+    assert overlap.live_bytes[-1] - plain.live_bytes[-1] == 2 * HIDDEN  # after 1B3
+    refs = schedule_oracle.INTERLEAVED_REFERENCES
+    held = dict(schedule_oracle.interleaved_references(2, 2, 4, 1, HIDDEN, True))
+    assert held["3B0"] == {refs[0]: 2 * HIDDEN, refs[1]: HIDDEN, refs[5]: 4}
+
+
+def test_the_interleaved_model_without_the_overlap_fails_against_it(monkeypatch):
+    # tracemem's model run as if the overlap were off, held against Megatron-Core's run with
+    # it: the earlier receives are missing, and the rank must fail
+    from tracemem.schedules import megatron_refs
+
+    real = megatron_refs.interleaved_reference_tensors
+
+    def never_overlapped(*args):
+        return real(*args[:5])
+    monkeypatch.setattr(megatron_refs, "interleaved_reference_tensors", never_overlapped)
+    text, code = run_command(cases=(), static_cases=(),
+                             schedule_cases=schedule_oracle.SCHEDULE_CASES[7:])
+    assert code == 1
+    assert ("schedule PP2 VPP2 M4, rank 1, p2p overlap: after 3B0 Megatron-Core holds 91,280 "
+            "B, tracemem 89,448 B: +1,832 B; the residue explains -216 B") in text
+    assert 1_832 + 216 == HIDDEN
+
+
 def test_a_wrong_interleaved_model_fails_the_schedule_bytes(monkeypatch):
     # tracemem's model of the interleaved loop without the input gradients it holds: the
     # replay then lacks them, and VPP's rank 1 must fail
@@ -517,7 +551,7 @@ def test_a_wrong_interleaved_model_fails_the_schedule_bytes(monkeypatch):
                 for step, tensors in real(*args)]
     monkeypatch.setattr(megatron_refs, "interleaved_reference_tensors", without_gradients)
     text, code = run_command(cases=(), static_cases=(),
-                             schedule_cases=schedule_oracle.SCHEDULE_CASES[5:])
+                             schedule_cases=schedule_oracle.SCHEDULE_CASES[5:6])
     assert code == 1
     # after the last backward the loop still holds three input gradients (3 x 2,048 B)
     assert ("schedule PP2 VPP2 M4, rank 1: after 1B3 Megatron-Core holds 16,826 B, tracemem "

@@ -189,7 +189,6 @@ APPROXIMATIONS_WHEN: dict[str, Callable[[argparse.Namespace], bool]] = {
     "--moe-router-force-load-balancing": lambda ns: ns.moe_router_force_load_balancing,
     "--empty-unused-memory-level": lambda ns: ns.empty_unused_memory_level >= 1,
     "--no-rope-fusion": lambda ns: _uses_rope(ns) and ns.apply_rope_fusion,
-    "--no-overlap-p2p-communication": lambda ns: ns.pipeline_model_parallel_size > 1,
     "--overlap-grad-reduce": lambda ns: ns.overlap_grad_reduce,
     "--ddp-num-buckets": lambda ns: ns.ddp_num_buckets is not None,
     "--ddp-bucket-size": lambda ns: ns.ddp_bucket_size is not None,
@@ -843,6 +842,9 @@ def megatron_job_kwargs(argv, *, env: Mapping[str, str] | None = None,
         "routing": "balanced", "optimizer": "fused", **_optimizer_offload(ns),
         **_activation_offload(ns), **_te_cpu_offload(ns, env),
         "deallocate_pipeline_outputs": True,  # core_transformer_config_from_args sets it
+        # --no-overlap-p2p-communication (validate_args turns it off without VPP, where
+        # tracemem's 1F1B does not read it)
+        "overlap_p2p_comm": bool(ns.overlap_p2p_comm),
         "alloc_conf": env.get("PYTORCH_CUDA_ALLOC_CONF"),
         "cublas_workspace_config": env.get("CUBLAS_WORKSPACE_CONFIG"),
         "make_vocab_size_divisible_by": divisible_by,

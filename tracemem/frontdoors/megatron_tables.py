@@ -271,11 +271,10 @@ HONOURED: dict[str, str] = {
                                         "stage, else refused",
     "--num-layers-per-virtual-pipeline-stage": "vpp = layers per stage / this",
     "--num-virtual-stages-per-pipeline-rank": "vpp",
-    "--no-overlap-p2p-communication": "approximation: tracemem's pipeline receive buffers "
-                                      "are allocated at the step that uses them, with or "
-                                      "without the overlap, which posts the next receive a "
-                                      "step earlier: the estimate can be low by one (s, b, h) "
-                                      "buffer",
+    "--no-overlap-p2p-communication": "overlap_p2p_comm = False (the interleaved "
+                                      "schedule's next receive posted after the backward, "
+                                      "not before it: tracemem.schedules.megatron_refs); "
+                                      "Megatron-LM turns the overlap off without VPP",
     "--overlap-grad-reduce": "approximation: the same buffers, reduced per bucket; each "
                              "bucket's padding to DP x 128 elements is not modelled",
     "--ddp-num-buckets": "approximation: bucket boundaries; their padding is not modelled",

@@ -10,7 +10,8 @@ on meta under the fake process group and the patches of ``megatron_patches``, an
 ``forward_backward_pipelining_with_interleaving`` (VPP > 1, ``microbatch_group_size_per_vp_
 stage`` = PP, its default). Two more patches, local to this module: the point-to-point sends
 and receives (``p2p_communication._batched_p2p_ops``: ``batch_isend_irecv``, which the fake
-backend refuses for meta tensors) post nothing, the receive buffers being allocated by
+backend refuses for meta tensors, and ``_p2p_ops``, the p2p overlap's ``isend`` / ``irecv``)
+post nothing, the receive buffers being allocated by
 ``P2PCommunicator._communicate`` itself as on a GPU, and ``torch.cuda.synchronize`` (after
 the batched ops) is a no-op.
 
@@ -59,17 +60,20 @@ __all__ = ["ScheduleCase", "SCHEDULE_CASES", "ScheduleResult", "SCHEDULE_RESIDUE
 @dataclass(frozen=True)
 class ScheduleCase:
     """One pipeline rank of ``pp`` x ``vpp`` virtual stages and ``num_microbatches`` (DP 1,
-    TP 1)."""
+    TP 1); ``overlap_p2p_comm``: the interleaved schedule's p2p overlap (Megatron-LM's
+    default there; ``batch_p2p_comm`` off with it)."""
 
     pp: int
     num_microbatches: int
     rank: int
     vpp: int = 1
+    overlap_p2p_comm: bool = False
 
     @property
     def name(self) -> str:
         vpp = f" VPP{self.vpp}" if self.vpp > 1 else ""
-        return f"PP{self.pp}{vpp} M{self.num_microbatches}, rank {self.rank}"
+        overlap = ", p2p overlap" if self.overlap_p2p_comm else ""
+        return f"PP{self.pp}{vpp} M{self.num_microbatches}, rank {self.rank}{overlap}"
 
     @property
     def schedule(self) -> str:
@@ -83,6 +87,8 @@ SCHEDULE_CASES: tuple[ScheduleCase, ...] = (
     ScheduleCase(pp=4, num_microbatches=8, rank=2),
     ScheduleCase(pp=2, vpp=2, num_microbatches=4, rank=0),
     ScheduleCase(pp=2, vpp=2, num_microbatches=4, rank=1),
+    ScheduleCase(pp=2, vpp=2, num_microbatches=4, rank=0, overlap_p2p_comm=True),
+    ScheduleCase(pp=2, vpp=2, num_microbatches=4, rank=1, overlap_p2p_comm=True),
 )
 
 
@@ -262,7 +268,7 @@ def interleaved_residue(case: ScheduleCase, cfg, steps: list[str]) -> list[dict[
     hidden = 16 * cfg.hidden_size * 2
     tokens, rope = 16, cfg.qk_rope_head_dim
     refs = interleaved_references(case.pp, case.vpp, case.num_microbatches, case.rank,
-                                  hidden)
+                                  hidden, case.overlap_p2p_comm)
     if [name for name, _ in refs] != list(steps):
         raise TracememError(f"schedule {case.name}: Megatron-Core's steps are not the "
                             f"interleaved schedule the residue models")
@@ -309,7 +315,7 @@ def _tracemem_bytes(case: ScheduleCase, cfg) -> list[int]:
     job = Job(model=cfg, world_size=case.pp, pp=case.pp, vpp=case.vpp, micro_batch_size=1,
               seq_length=16, num_microbatches=case.num_microbatches, schedule=case.schedule,
               kernels="megatron-te", kernel_options={"cross_entropy_fusion": "none"},
-              rounding=None, gpu="H100")
+              rounding=None, gpu="H100", overlap_p2p_comm=case.overlap_p2p_comm)
     traced = next(t for t in trace_classes(job, rank_classes(job), TraceCache())
                   if t.unit.stage == case.rank)
     where = _placement(job)
@@ -414,6 +420,11 @@ def _megatron(case: ScheduleCase, cfg) -> tuple[list[str], list[int], int]:
             run = (schedules.forward_backward_pipelining_with_interleaving if case.vpp > 1
                    else schedules.forward_backward_pipelining_without_interleaving)
             config.deallocate_pipeline_outputs = True  # Megatron-LM's default (arguments.py)
+            # the p2p overlap: Megatron-LM turns batch_p2p_comm off with it
+            # (megatron/training/argument_utils.py), so the sends and receives go through
+            # _p2p_ops, which posts nothing here (no handles to wait on)
+            config.overlap_p2p_comm = case.overlap_p2p_comm
+            config.batch_p2p_comm = not case.overlap_p2p_comm
             # parameters and DDP's buffers exist before the step (DDP's own `buffers`
             # attribute hides Module.buffers: track the wrapped modules)
             tracer.track_external([c.module for c in chunks], [tokens],
@@ -421,6 +432,7 @@ def _megatron(case: ScheduleCase, cfg) -> tuple[list[str], list[int], int]:
                                   [b.param_data for b in buffers if b.param_data is not None])
             with mock.patch.object(p2p_communication, "_batched_p2p_ops",
                                    lambda **kwargs: []), \
+                    mock.patch.object(p2p_communication, "_p2p_ops", lambda **kwargs: {}), \
                     mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None), \
                     mock.patch.object(schedules, "forward_step", forward_step), \
                     mock.patch.object(schedules, "backward_step", backward_step), \

@@ -1,9 +1,9 @@
 """Megatron-Core's interleaved pipeline schedule, the references its loop keeps
 (``pipeline_parallel/schedules.py`` ``forward_backward_pipelining_with_interleaving``,
-megatron-core 0.16.1): the received inputs and output gradients it holds in its lists and
-locals before their step runs or after it has, the input gradients it keeps, the outputs still
-whole when their forward returns, the stand-ins of deallocated outputs, and the losses in
-``forward_data_store``. A hand model of that code over abstract pipeline tensors; the estimator
+megatron-core 0.16.1, with or without its p2p overlap): the received inputs and output
+gradients it holds in its lists and locals before their step runs or after it has, the input
+gradients it keeps, the outputs still whole when their forward returns, the stand-ins of
+deallocated outputs, and the losses in ``forward_data_store``. A hand model of that code over abstract pipeline tensors; the estimator
 adds the tensors it names to the replay of an interleaved rank under the megatron orchestration
 (``tracemem.estimator.trace_classes``, ``Segments.schedule_refs``), and
 ``tracemem.oracle.schedule_oracle`` holds the result against Megatron-Core's own schedule run
@@ -46,10 +46,12 @@ REFERENCE_NAMES = ("received input", "input gradient", "received output gradient
 
 
 def interleaved_reference_tensors(pp: int, vpp: int, num_microbatches: int, rank: int,
-                                  hidden: int) -> list[tuple[str, list[tuple[str, int]]]]:
-    """What megatron-core 0.16.1's ``forward_backward_pipelining_with_interleaving`` (no p2p
-    overlap, ``microbatch_group_size_per_vp_stage`` = PP, training, outputs deallocated after
-    their send) references at each of its forward and backward steps beyond the traced
+                                  hidden: int, overlap_p2p_comm: bool = False
+                                  ) -> list[tuple[str, list[tuple[str, int]]]]:
+    """What megatron-core 0.16.1's ``forward_backward_pipelining_with_interleaving``
+    (``microbatch_group_size_per_vp_stage`` = PP, training, outputs deallocated after their
+    send; the p2p overlap as ``overlap_p2p_comm`` says, without its warm-up-flush variant)
+    references at each of its forward and backward steps beyond the traced
     segments' own storages: per step (its ``tracemem.schedules`` name), the tensors as
     (``INTERLEAVED_REFERENCES`` kind, raw bytes), sorted (``hidden``: one [s, b, h] pipeline
     tensor's bytes). ``replay_events`` holds them as storages of their own while the step
@@ -71,8 +73,17 @@ def interleaved_reference_tensors(pp: int, vpp: int, num_microbatches: int, rank
     autograd graph does (its AccumulateGrad Node), its ``.grad`` while it is. tracemem's
     replay holds, for each microbatch between its forward and its backward, the received input
     (not on virtual stage 0) and the output's stand-in (not on the last virtual stage), or the
-    loss (the last). Without the p2p overlap: with it (``--overlap-p2p-communication``,
-    Megatron-LM's default) receives are posted a step earlier, which this does not model."""
+    loss (the last).
+
+    With the p2p overlap (``config.overlap_p2p_comm``: Megatron-LM's default for the
+    interleaved schedule, off with ``--no-overlap-p2p-communication``; ``batch_p2p_comm``
+    then off) the steady loop runs ``forward_backward_helper_wrapper`` with its hooks:
+    ``pp_post_forward`` posts the next forward's receive right after the forward, so that input
+    is held through the backward (``fwd_recv_buffer``, appended to ``input_tensors``), and
+    ``pp_post_backward`` the next output gradient's after the backward (``bwd_recv_buffer``,
+    emptied once appended to ``output_tensor_grads``); the local ``input_tensor`` is not
+    assigned after the warm-up, so the warm-up's last received input (and its ``.grad`` once
+    its backward has run) stays referenced to the end of the loop."""
     group = pp
     table: list[tuple[int, int]] = []  # (microbatch, chunk) per virtual microbatch
     for lo in range(0, num_microbatches, group):
@@ -192,20 +203,26 @@ def interleaved_reference_tensors(pp: int, vpp: int, num_microbatches: int, rank
     for k in range(steady):
         fk = k + warmup
         o = forward(fk)
+        recv_prev, nxt_f = receives(fk, True)
+        recv_prev = recv_prev and k != steady - 1
+        if overlap_p2p_comm and recv_prev:  # pp_post_forward: received before the backward
+            inputs[nxt_f].append(_Ref("in"))
         ig = backward(k, held=(o,))  # the wrapper holds the forward's output
         local["output_tensor"] = None if last_v(chunk(fk, True)) else o
         local["input_tensor_grad"] = None if first_v(chunk(k, False)) else ig
-        recv_prev, nxt_f = receives(fk, True)
         recv_next, nxt_b = receives(k, False)
-        recv_prev = recv_prev and k != steady - 1
-        local["input_tensor"] = _Ref("in") if recv_prev else None
-        local["output_tensor_grad"] = _Ref("og") if recv_next else None
+        og = _Ref("og") if recv_next else None
+        if overlap_p2p_comm:  # the buffers are emptied once appended; no local is assigned
+            local["output_tensor_grad"] = None
+        else:
+            local["input_tensor"] = _Ref("in") if recv_prev else None
+            local["output_tensor_grad"] = og
+            if recv_prev:
+                inputs[nxt_f].append(local["input_tensor"])
         if local["output_tensor"] is not None:
             local["output_tensor"].deallocated = True
-        if recv_prev:
-            inputs[nxt_f].append(local["input_tensor"])
         if recv_next:
-            grads[nxt_b].append(local["output_tensor_grad"])
+            grads[nxt_b].append(og)
     if all_warmup:
         grads[vpp - 1].append(_Ref("og"))
     for k in range(steady, total):
@@ -221,11 +238,12 @@ def interleaved_reference_tensors(pp: int, vpp: int, num_microbatches: int, rank
 
 
 def interleaved_references(pp: int, vpp: int, num_microbatches: int, rank: int,
-                           hidden: int) -> list[tuple[str, dict[str, int]]]:
+                           hidden: int, overlap_p2p_comm: bool = False
+                           ) -> list[tuple[str, dict[str, int]]]:
     """``interleaved_reference_tensors`` summed per kind: per step, kind -> bytes."""
     out = []
     for step, tensors in interleaved_reference_tensors(pp, vpp, num_microbatches, rank,
-                                                       hidden):
+                                                       hidden, overlap_p2p_comm):
         rows: dict[str, int] = {}
         for kind, nbytes in tensors:
             rows[kind] = rows.get(kind, 0) + nbytes

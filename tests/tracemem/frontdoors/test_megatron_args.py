@@ -44,7 +44,8 @@ BASE_JOB = dict(
     attention="flash", experts="auto", kernels="megatron-te",
     kernel_options={"moe_shared_expert_overlap": False, "gradient_accumulation_fusion": True,
                     "cross_entropy_fusion": "none", "masked_softmax_fusion": True},
-    routing="balanced", optimizer="fused", deallocate_pipeline_outputs=True, alloc_conf=None,
+    routing="balanced", optimizer="fused", deallocate_pipeline_outputs=True,
+    overlap_p2p_comm=True, alloc_conf=None,
     cublas_workspace_config=None, distribute_saved_activations=False,
     make_vocab_size_divisible_by=128, origin="megatron")
 # ... and of its GPTModel (the dense ModelConfig defaults where Megatron has no say)
@@ -418,6 +419,26 @@ def test_a_refused_flag_is_refused_by_name_with_what_is_missing():
     with pytest.raises(TracememError, match=r"--softmax-type off-by-one: not modelled "
                                             r"yet: off-by-one and learnable softmax"):
         megatron_job_kwargs(_tiny("--softmax-type", "off-by-one"), world_size=1)
+
+
+def test_the_p2p_overlap_is_honoured_in_the_interleaved_schedule():
+    # Megatron-LM's default (arguments.py: --no-overlap-p2p-communication, store_false)
+    vpp = ("--num-layers", "8", "--pipeline-model-parallel-size", "4",
+           "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4")
+    on = megatron_job_kwargs(_tiny(*vpp), world_size=4)
+    off = megatron_job_kwargs(_tiny(*vpp, "--no-overlap-p2p-communication"), world_size=4)
+    assert (on["schedule"], on["vpp"], on["overlap_p2p_comm"]) == ("interleaved-1f1b", 2, True)
+    assert off["overlap_p2p_comm"] is False
+    # the estimator's pipeline tensors of the last rank: the steady step's backward holds the
+    # next forward's received input with the overlap, [s, b, h] = 256 x 1 x 256 bf16 more
+    from tracemem.estimator import _interleaved_refs
+    from tracemem.job import Job
+
+    refs = {flag: _interleaved_refs(Job(**kwargs), 3) for flag, kwargs in (("on", on),
+                                                                            ("off", off))}
+    step = next(s for s in refs["on"] if "B" in s)  # the first backward (steady)
+    assert (sum(n for _, n in refs["on"][step]) - sum(n for _, n in refs["off"][step])
+            == 256 * 1 * 256 * 2)
 
 
 def test_te_cpu_offloading_is_honoured_and_its_v1_path_refused():
@@ -912,8 +933,7 @@ def test_the_approximations_of_a_job_are_listed():
     notes = megatron_approximations(argv, env=env)
     assert [note.split(":", 1)[0] for note in notes] == [
         # the "--no-" flags not typed: Megatron's default behaviour, said so
-        "without --no-overlap-p2p-communication (Megatron's default)", "--overlap-grad-reduce",
-        "--overlap-param-gather",
+        "--overlap-grad-reduce", "--overlap-param-gather",
         "without --no-create-attention-mask-in-dataloader (Megatron's default)",
         "--moe-router-load-balancing-type",
         "--log-num-zeros-in-grad", "NVTE_ALLOW_NONDETERMINISTIC_ALGO"]
