@@ -238,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "overlap, which receives the next forward's input before each "
                            "backward (on by default, as in Megatron-LM; other schedules do "
                            "not overlap)")
+    step.add_argument("--no-create-attention-mask-in-dataloader",
+                      dest="create_attention_mask_in_dataloader", action="store_false",
+                      help="Megatron-LM's flag: no dataloader attention mask (by default "
+                           "Megatron-LM's first and last stages hold a [b, 1, s / CP, s] bool "
+                           "mask through each forward; megatron-te kernels under 1f1b and "
+                           "interleaved-1f1b, the schedules Megatron-LM runs)")
     step.add_argument("--hbm", default=None,
                       help="device memory per GPU, to say whether each rank fits: 80GiB "
                            "(binary: KiB, MiB, GiB, TiB), 80GB (decimal, as data sheets print: "
@@ -738,7 +744,9 @@ def _flag_fields(args: argparse.Namespace) -> dict:
             seed=args.seed,
             max_ep_classes=args.max_ep_classes, rounding=args.rounding,
             deallocate_pipeline_outputs=args.deallocate,
-            overlap_p2p_comm=args.overlap_p2p_comm, hbm=args.hbm,
+            overlap_p2p_comm=args.overlap_p2p_comm,
+            create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+            hbm=args.hbm,
             zero3_prefetch=args.zero3_prefetch, optimizer=args.optimizer,
             optimizer_cpu_offload=args.optimizer_cpu_offload,
             optimizer_offload_fraction=args.optimizer_offload_fraction,

@@ -22,7 +22,12 @@ Conventions, each a line item:
   memory; the bf16 gradient a backward produces is a transient, added to the main grad and
   freed at once.
 - A stage keeps its received input until the microbatch's backward; its sent output's data is
-  freed at once (Megatron's ``deallocate_output_tensor``, on by default).
+  freed at once (Megatron's ``deallocate_output_tensor``, on by default). Under Megatron-Core's
+  interleaved schedule the replay also holds the pipeline tensors its loop keeps, with or
+  without its p2p overlap (``tracemem.schedules.megatron_refs``).
+- Megatron-LM's batch: under the megatron orchestration and the schedules Megatron-LM runs,
+  the stages that read the batch hold the dataloader's attention mask through each forward
+  (``_dataloader_mask``; off with ``--no-create-attention-mask-in-dataloader``).
 - The whole iteration: after the schedule's last step the optimizer step is replayed as step
   "O" (``tracemem.optimizer_step``: the distributed optimizer's fp32 gradient copies, the Adam
   kernel's temporaries); ``RankEstimate.peak_phase`` says which phase holds the peak.
@@ -261,6 +266,37 @@ def _trace_rank(cfg: ModelConfig, par: ParallelConfig, rank: int, *, optimizer: 
     return model, _trace_step(model, tracer, par, optimizer, segments)[1]
 
 
+def _dataloader_mask(b: int, s: int, cp: int) -> torch.Tensor:
+    """Megatron-LM's dataloader attention mask on a rank whose virtual stage reads the batch
+    (the first and the last, and MTP's), ``[b, 1, s / CP, s]`` bool, made before the model's
+    forward and freed when ``forward_step_func`` returns (after the forward and its loss).
+    Megatron-LM d98e8a6: ``GPTDataset`` makes it unless ``--no-create-attention-mask-in-
+    dataloader`` (``megatron/core/datasets/gpt_dataset.py``, ``pretrain_gpt.py``
+    ``core_gpt_dataset_config_from_args`` ``create_attention_mask``); ``pretrain_gpt.py``
+    ``get_batch`` moves it to the GPU on TP rank 0 and ``megatron/core/utils.py``
+    ``get_batch_on_this_tp_rank`` broadcasts it into a ``torch.empty((b, 1, s, s),
+    dtype=torch.bool)`` on the others, on the first and last pipeline stages (every stage
+    with PP 1); ``get_batch_on_this_cp_rank`` then keeps this CP rank's two chunks of the
+    query dimension (``index_select``: a new tensor; the whole mask freed once replaced).
+    TE's fused and flash attention take the causal mask type and never read it; it is
+    memory all the same."""
+    full = torch.zeros(b, 1, s, s, dtype=torch.bool, device="meta")
+    if cp == 1:
+        return full
+    mine = torch.empty(b, 1, s // cp, s, dtype=torch.bool, device="meta")
+    del full
+    return mine
+
+
+def _reads_dataloader_mask(job: Job) -> bool:
+    """Whether ``job``'s batch carries Megatron-LM's dataloader attention mask
+    (``_dataloader_mask``): ``create_attention_mask_in_dataloader`` under the megatron
+    orchestration and a schedule Megatron-LM's training loop runs (1F1B, interleaved 1F1B);
+    DualPipe, zero-bubble and GPipe jobs are not Megatron-LM's ``pretrain_gpt.py``."""
+    return (job.create_attention_mask_in_dataloader and job.profile.orchestration == "megatron"
+            and job.schedule in ("1f1b", "interleaved-1f1b"))
+
+
 def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: int,
               routing: RoutingModel, attention: str, experts: str, recompute: str,
               recompute_modules: frozenset[str], deallocate: bool,
@@ -270,7 +306,7 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
               zero3_prefetch: bool = True, where: Placement | None = None,
               kinds: frozenset[str] = frozenset("B"), replace=None,
               activation_offload: ActivationOffload | None = None,
-              te_cpu_offload: int = 0
+              te_cpu_offload: int = 0, dataloader_mask: bool = False
               ) -> tuple[object, MemoryTracer, Segments]:
     """The forward and backward segments of ``rank`` (``kinds``: "B" traces forwards with full
     backwards, "I" forwards with split ones), with the model and the tracer that traced them
@@ -280,7 +316,8 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
     schedule), microbatch 0 and 1 as always, a later one whose plan differs as its own
     variant (``Segments.variants``). ``te_cpu_offload``: TE's CPU offloading of that many
     decoder layers (``modeling.common.cpu_offload``; one synchronizer per traced
-    microbatch, its host copies in ``Segments.host``)."""
+    microbatch, its host copies in ``Segments.host``). ``dataloader_mask``: Megatron-LM's
+    dataloader attention mask on the chunks that read the batch (``_dataloader_mask``)."""
     model = build_rank(cfg, par, rank, attention=attention, experts=experts,
                        dtype=torch.bfloat16, kernels=kernels, placement=where, replace=replace)
     numel_by_kind(model)  # every parameter declares its group: say so before tracing
@@ -331,6 +368,8 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
                 if te_cpu_offload else None
             start = len(tracer.events)
             with tracer:
+                mask = _dataloader_mask(b, s, par.cp) if dataloader_mask and (
+                    first or last) else None
                 labels = torch.zeros(b, seq, dtype=torch.long, device="meta")
                 inputs = (torch.zeros(b, seq, dtype=torch.long, device="meta") if first else
                           recv_forward((b, local, cfg.hidden_size), torch.bfloat16))
@@ -338,6 +377,7 @@ def _trace_fb(cfg: ModelConfig, par: ParallelConfig, rank: int, *, b: int, s: in
                     tracer.retain(inputs, "pp.input")
                 with offload.chunk(handler), cpu_offload.synchronizer(sync):
                     output = model(inputs, labels, routing, chunk)
+                del mask  # a local of forward_step_func: gone when it returns
                 if not last:
                     send_forward(output, deallocate)
                     tracer.retain(output, "pp.output")  # the stand-in, when deallocated
@@ -1307,7 +1347,8 @@ def trace_key(job: Job) -> tuple | None:
              job.distribute_saved_activations) if full else None,
             job.deallocate_pipeline_outputs, job.rounding, profile.name,
             tuple(sorted(profile.options.items())), job.zero3_prefetch,
-            job.activation_offload, job.cpu_offloading_num_layers)
+            job.activation_offload, job.cpu_offloading_num_layers,
+            _reads_dataloader_mask(job))
 
 
 def step_key(job: Job) -> tuple:
@@ -1418,6 +1459,7 @@ def trace_classes(job: Job, classes: list[RankClass], cache: TraceCache,
                 zero3_prefetch=job.zero3_prefetch, kernels=job.profile, where=where,
                 kinds=unit.kinds, replace=job.replacements,
                 te_cpu_offload=job.cpu_offloading_num_layers,
+                dataloader_mask=_reads_dataloader_mask(job),
                 activation_offload=None if not job.activation_offload else ActivationOffload(
                     *job.activation_offload, tuple(job.steps[unit.stage]),
                     lambda v, stage=unit.stage: where.chunk_index(stage, v), offload_warmup))

@@ -407,6 +407,12 @@ class Job:
             Megatron-LM runs it; ``--no-overlap-p2p-communication``): the next forward's input
             received before the backward (``tracemem.schedules.megatron_refs``). Neutral for
             other schedules (Megatron-LM turns it off there) and other orchestrations.
+        create_attention_mask_in_dataloader: Megatron-LM's dataloader attention mask, ``[b,
+            1, s / CP, s]`` bool on the ranks whose stage reads the batch, alive through each
+            forward (on, as Megatron-LM runs; ``--no-create-attention-mask-in-dataloader``;
+            ``tracemem.estimator._dataloader_mask``). Neutral outside the megatron
+            orchestration (the megatron-te profile) and outside the schedules Megatron-LM's
+            training loop runs (1f1b, interleaved-1f1b).
         zero3_prefetch: FSDP2's backward prefetch under ZeRO-3 (on).
         optimizer: the step's Adam, "fused" or "torch" (``tracemem.optimizer_step``).
         optimizer_cpu_offload, optimizer_offload_fraction, pin_cpu_grads, pin_cpu_params:
@@ -502,6 +508,7 @@ class Job:
     rounding: int | None = 512
     deallocate_pipeline_outputs: bool = True
     overlap_p2p_comm: bool = True
+    create_attention_mask_in_dataloader: bool = True
     zero3_prefetch: bool = True
     optimizer: str = "fused"
     optimizer_cpu_offload: bool = False
@@ -785,6 +792,8 @@ class Job:
                                               "of kind to layer")
         for flag, value in (("deallocate_pipeline_outputs", self.deallocate_pipeline_outputs),
                             ("overlap_p2p_comm", self.overlap_p2p_comm),
+                            ("create_attention_mask_in_dataloader",
+                             self.create_attention_mask_in_dataloader),
                             ("zero3_prefetch", self.zero3_prefetch),
                             ("account_for_embedding_in_pipeline_split",
                              self.account_for_embedding_in_pipeline_split),
@@ -866,6 +875,7 @@ class Job:
                 "kernels": self.profile.name, "kernel_options": dict(self.profile.options),
                 "deallocate_pipeline_outputs": self.deallocate_pipeline_outputs,
                 "overlap_p2p_comm": self.overlap_p2p_comm,
+                "create_attention_mask_in_dataloader": self.create_attention_mask_in_dataloader,
                 "zero3_prefetch": self.zero3_prefetch, "alloc_conf": self.alloc_config.text,
                 "non_pytorch_memory_bytes": self.non_pytorch_memory_bytes,
                 "optimizer": self.optimizer,

@@ -8,6 +8,7 @@ the closed-form static bytes of tests/tracemem/test_static.py.
 import json
 
 import pytest
+import torch
 
 from tracemem.cli import main
 from tracemem.errors import TracememError
@@ -181,3 +182,30 @@ def test_a_wide_column_is_shown_where_it_holds_a_rows_largest_item():
     text = format_estimate(result, "MiB")
     assert "temporaries: storages neither kept for backward" in text
     assert "temporaries:" not in format_estimate(result, "MiB", wide=True)
+
+
+def test_megatron_lms_dataloader_mask_lives_through_each_forward_of_the_batch_stages():
+    # pretrain_gpt.py get_batch / megatron/core/utils.py get_batch_on_this_tp_rank: the
+    # (b, 1, s, s) bool mask on the first and last stages, CP's share [b, 1, s / CP, s] kept
+    # (get_batch_on_this_cp_rank), freed when forward_step_func returns
+    from tracemem.estimator import TraceCache, rank_classes, trace_classes
+    from tracemem.job import Job
+
+    def masks(**fields):
+        job = Job(model="deepseek-tiny", rounding=None,
+                  **{**TINY, "world_size": 8, "cp": 2, "kernels": "megatron-te", **fields})
+        out = {}
+        for traced in trace_classes(job, rank_classes(job), TraceCache()):
+            events = next(v for k, v in traced.segments.events.items()
+                          if k[0] == 0 and k[1] in ("F", "Fs") and k[2] == 0)
+            out[traced.unit.stage] = sorted(
+                e.nbytes for e in events if e.action == "alloc" and e.dtype == torch.bool
+                and e.shape and len(e.shape) == 4 and e.shape[1] == 1)
+        return out
+    b, s = 2, 64
+    # the whole mask, then CP rank's half of the queries; both stages read the batch (PP 2)
+    assert masks() == {0: [b * s * s // 2, b * s * s], 1: [b * s * s // 2, b * s * s]}
+    assert masks(create_attention_mask_in_dataloader=False) == {0: [], 1: []}
+    # not Megatron-LM's training loop (another orchestration, another schedule): no mask
+    assert masks(kernels="eager") == {0: [], 1: []}
+    assert masks(schedule="zb-h1") == {0: [], 1: []}

@@ -195,7 +195,6 @@ APPROXIMATIONS_WHEN: dict[str, Callable[[argparse.Namespace], bool]] = {
     "--ddp-pad-buckets-for-high-nccl-busbw": lambda ns: ns.ddp_pad_buckets_for_high_nccl_busbw,
     "--overlap-param-gather": lambda ns: ns.overlap_param_gather,
     "--create-all-gather-group": lambda ns: ns.create_all_gather_group,
-    "--no-create-attention-mask-in-dataloader": lambda ns: ns.create_attention_mask_in_dataloader,
     "--moe-router-load-balancing-type": lambda ns: bool(ns.num_experts) and _aux_loss(ns),
     "--log-num-zeros-in-grad": lambda ns: ns.log_num_zeros_in_grad,
     "--use-megatron-fsdp": lambda ns: ns.use_megatron_fsdp,
@@ -845,6 +844,10 @@ def megatron_job_kwargs(argv, *, env: Mapping[str, str] | None = None,
         # --no-overlap-p2p-communication (validate_args turns it off without VPP, where
         # tracemem's 1F1B does not read it)
         "overlap_p2p_comm": bool(ns.overlap_p2p_comm),
+        # validate_args turns the mask off under --dataloader-inter-document-masking
+        "create_attention_mask_in_dataloader": bool(
+            ns.create_attention_mask_in_dataloader
+            and not getattr(ns, "dataloader_inter_document_masking", False)),
         "alloc_conf": env.get("PYTORCH_CUDA_ALLOC_CONF"),
         "cublas_workspace_config": env.get("CUBLAS_WORKSPACE_CONFIG"),
         "make_vocab_size_divisible_by": divisible_by,
@@ -1019,13 +1022,14 @@ _GROUP_FLAGS: dict[str, tuple[str, ...]] = {
                "--account-for-loss-in-pipeline-split", "--decoder-first-pipeline-num-layers",
                "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout",
                "--num-layers-per-virtual-pipeline-stage",
-               "--num-virtual-stages-per-pipeline-rank"),
+               "--num-virtual-stages-per-pipeline-rank", "--no-overlap-p2p-communication"),
     "recompute": ("--recompute-granularity", "--recompute-method", "--recompute-num-layers",
                   "--recompute-modules", "--recompute-activations", "--moe-layer-recompute",
                   "--distribute-saved-activations"),
     "micro_batch_size": ("--micro-batch-size",),
     "global_batch_size": ("--global-batch-size", "--decrease-batch-size-if-needed"),
     "seq_length": ("--seq-length", "--encoder-seq-length"),
+    "data": ("--no-create-attention-mask-in-dataloader",),
     "zero": ("--use-distributed-optimizer", "--use-megatron-fsdp",
              "--data-parallel-sharding-strategy", "--num-distributed-optimizer-instances"),
     "optimizer_offload": ("--optimizer-cpu-offload", "--optimizer-offload-fraction",
@@ -1288,6 +1292,8 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
                     format_layout_string(tuple(f["pp_layout"]), mtp)]
         elif f["vpp"] > 1:
             out += ["--num-virtual-stages-per-pipeline-rank", str(f["vpp"])]
+        if f["vpp"] > 1 and not f.get("overlap_p2p_comm", True):
+            out += ["--no-overlap-p2p-communication"]
         expected = "interleaved-1f1b" if f["vpp"] > 1 else "1f1b"
         if f["schedule"] != expected:
             _no(f"schedule {f['schedule']!r} with vpp {f['vpp']} (Megatron runs {expected})")
@@ -1366,6 +1372,8 @@ def _canonical(f: Mapping[str, Any]) -> dict[str, list[str] | _Unstated]:
         "global_batch_size": global_batch,
         "seq_length": lambda: [] if f["seq_length"] is None else [
             "--seq-length", str(f["seq_length"])],
+        "data": lambda: [] if f.get("create_attention_mask_in_dataloader", True) else [
+            "--no-create-attention-mask-in-dataloader"],
         "zero": zero, "precision": precision,
         "optimizer_offload": lambda: [] if not f.get("optimizer_cpu_offload") else [
             "--optimizer-cpu-offload", "--optimizer-offload-fraction",

@@ -302,11 +302,11 @@ HONOURED: dict[str, str] = {
     # _add_data_args
     "--seq-length": "seq_length",
     "--encoder-seq-length": "seq_length when --seq-length is not given (validate_args)",
-    "--no-create-attention-mask-in-dataloader": "no mask, as tracemem traces; without it "
-                                                "approximation: the dataloader's (b, 1, s, "
-                                                "s) bool mask (b x s^2 B on the first and "
-                                                "last stages, alive in each forward) is "
-                                                "not traced: the estimate is low by it",
+    "--no-create-attention-mask-in-dataloader": "create_attention_mask_in_dataloader = "
+                                                "False: no (b, 1, s / CP, s) bool mask on "
+                                                "the first and last stages, which hold it "
+                                                "through each forward without the flag "
+                                                "(tracemem.estimator._dataloader_mask)",
     # _add_tokenizer_args
     "--vocab-size": "model vocab_size (before padding)",
     "--padded-vocab-size": "model vocab_size as given, make_vocab_size_divisible_by None",

@@ -45,7 +45,7 @@ BASE_JOB = dict(
     kernel_options={"moe_shared_expert_overlap": False, "gradient_accumulation_fusion": True,
                     "cross_entropy_fusion": "none", "masked_softmax_fusion": True},
     routing="balanced", optimizer="fused", deallocate_pipeline_outputs=True,
-    overlap_p2p_comm=True, alloc_conf=None,
+    overlap_p2p_comm=True, create_attention_mask_in_dataloader=True, alloc_conf=None,
     cublas_workspace_config=None, distribute_saved_activations=False,
     make_vocab_size_divisible_by=128, origin="megatron")
 # ... and of its GPTModel (the dense ModelConfig defaults where Megatron has no say)
@@ -932,11 +932,12 @@ def test_the_approximations_of_a_job_are_listed():
     argv, env = megatron_args_from_yaml(DATA / "mla_moe_mtp_memory_speed.yaml")
     notes = megatron_approximations(argv, env=env)
     assert [note.split(":", 1)[0] for note in notes] == [
-        # the "--no-" flags not typed: Megatron's default behaviour, said so
         "--overlap-grad-reduce", "--overlap-param-gather",
-        "without --no-create-attention-mask-in-dataloader (Megatron's default)",
         "--moe-router-load-balancing-type",
         "--log-num-zeros-in-grad", "NVTE_ALLOW_NONDETERMINISTIC_ALGO"]
+    # the dataloader's attention mask and the p2p overlap are traced now, with or without
+    # their "--no-" flags
+    assert megatron_approximations(_tiny()) == []
     assert megatron_approximations(_tiny("--no-create-attention-mask-in-dataloader")) == []
 
 
