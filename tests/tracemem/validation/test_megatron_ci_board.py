@@ -117,3 +117,28 @@ def test_megatron_fsdp_with_fsdp_dtensor_makes_its_state_before_iteration_1():
     assert state_before_first_step(case.argv)
     row = score_case(case)
     assert row.tracemem_first_bytes == row.tracemem_bytes
+
+
+def test_the_residue_beyond_1_percent_is_itemised_with_what_is_known():
+    from tracemem.validation.megatron_ci_board import moe_router, residue_leads
+
+    # Megatron-LM d98e8a6's defaults: --moe-router-load-balancing-type aux_loss, topk 2
+    assert moe_router(["--num-layers", "2"]) is None
+    assert moe_router(["--num-experts", "8"]) == "aux_loss top-2"
+    assert moe_router(["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn",
+                       "--moe-router-topk", "1"]) == "sinkhorn top-1"
+    assert moe_router(["--num-experts", "8", "--moe-router-enable-expert-bias"]) \
+        == "aux_loss top-2 + expert bias"
+
+    def row(name, gpu, tracemem, router=None, key="a", notes=()):
+        return BoardRow(name, gpu, 8, 2, 1_000, tracemem, tracemem, 0, 7, notes,
+                        router=router, args_key=key)
+    moe = row("x@h100", "H100", 940, "aux_loss top-2", notes=("--log-num-zeros-in-grad: why",))
+    twin = row("x@gb200", "GB200", 995, "aux_loss top-2")
+    alone = row("y@a100", "A100", 970, key="b")
+    assert residue_leads(moe, [moe, twin, alone]) == [
+        "routing: a learned aux_loss top-2 router (tracemem routes balanced; the run's expert "
+        "loads are not logged)",
+        "the same arguments: GB200 -0.5% (within 1 % there: GPU- or container-specific)",
+        "approximated: --log-num-zeros-in-grad"]
+    assert residue_leads(alone, [moe, twin, alone]) == ["unexplained"]
