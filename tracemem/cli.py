@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     from modeling.common.attention.mla import ATTENTION_KERNELS
     from modeling.common.moe import EXPERT_KERNELS
     from tracemem.examples import DTYPES, ToyConfig
-    from tracemem.job import GPUS
+    from tracemem.job import GPUS, TORCH_CUBLAS_DEFAULTS
     from tracemem.schedules import SCHEDULES
     from tracemem.validation.cases import CASES
     from modeling.kernels import KERNEL_PROFILES
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="CUBLAS_WORKSPACE_CONFIG as the job sets it (e.g. :4096:8): sizes "
                            "PyTorch's cuBLAS workspaces (with --gpu); a Megatron-LM job "
                            "takes it from the environment variable CUBLAS_WORKSPACE_CONFIG")
-    step.add_argument("--torch-cublas-default", choices=("2.13", "sm90"), default=None,
+    step.add_argument("--torch-cublas-default", choices=TORCH_CUBLAS_DEFAULTS, default=None,
                       help="which PyTorch default sizes its cuBLAS workspaces where "
                            "CUBLAS_WORKSPACE_CONFIG is unset: 2.13 (default), 32 MiB on Hopper "
                            "and Blackwell; sm90, 32 MiB on Hopper only and 8,519,680 B on "

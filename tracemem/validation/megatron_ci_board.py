@@ -275,7 +275,7 @@ def score_case(case) -> BoardRow:
     import hashlib
 
     key = hashlib.sha256(repr((tuple(case.argv), case.world_size,
-                               sorted(case.env_vars))).encode()).hexdigest()[:16]
+                               sorted(dict(case.env_vars).items()))).encode()).hexdigest()[:16]
     return BoardRow(case.name, case.gpu, case.world_size, case.measured_iteration,
                     case.measured_bytes, row.allocated_peak_bytes, row.peak_bytes,
                     unit.stage, job.world_size - 1, notes, row.workspace_bytes,
