@@ -23,10 +23,10 @@ pins for its CI image), Megatron-LM d98e8a6.
    8,519,680 B (A100). Before pytorch/pytorch#175344 (merged 2026-02-19) the 32 MiB default
    was sm90's alone (``major == 9 && minor == 0``), so Blackwell took 8,519,680 B: the job's
    ``torch_cublas_default`` "sm90" (NGC PyTorch containers up to 26.02 run such a torch:
-   ``tracemem.validation.megatron_ci.torch_cublas_default``). Handles are per thread (``DeviceThreadHandlePool``, a thread-local
-   ``PoolWindow``): forward GEMMs run on the main thread, backward ones on autograd's device
-   thread, on the stream of their forward op, so a rank makes one workspace per (thread,
-   stream) pair that runs a torch GEMM. cuBLASLt shares it: ``getCUDABlasLtWorkspace`` with
+   ``tracemem.validation.megatron_ci.torch_cublas_default``). Handles are per thread
+   (``DeviceThreadHandlePool``, a thread-local ``PoolWindow``): forward GEMMs run on the main
+   thread, backward ones on autograd's device thread, on the stream of their forward op, so a
+   rank makes one workspace per (thread, stream) pair that runs a torch GEMM. cuBLASLt shares it: ``getCUDABlasLtWorkspace`` with
    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` unset (``unified_cublas_and_lt_workspaces``: true
    outside fbcode) returns the same (handle, stream) entry; set to 0 it would add a 1 MiB Lt
    workspace per pair (``parseCUDABlasLtWorkspaceSize``), not modelled.

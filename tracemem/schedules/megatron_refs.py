@@ -3,11 +3,11 @@
 megatron-core 0.16.1, with or without its p2p overlap): the received inputs and output
 gradients it holds in its lists and locals before their step runs or after it has, the input
 gradients it keeps, the outputs still whole when their forward returns, the stand-ins of
-deallocated outputs, and the losses in ``forward_data_store``. A hand model of that code over abstract pipeline tensors; the estimator
-adds the tensors it names to the replay of an interleaved rank under the megatron orchestration
-(``tracemem.estimator.trace_classes``, ``Segments.schedule_refs``), and
-``tracemem.oracle.schedule_oracle`` holds the result against Megatron-Core's own schedule run
-on meta, step by step to the byte.
+deallocated outputs, and the losses in ``forward_data_store``. A hand model of that code over
+abstract pipeline tensors; the estimator adds the tensors it names to the replay of an
+interleaved rank under the megatron orchestration (``tracemem.estimator.trace_classes``,
+``Segments.schedule_refs``), and ``tracemem.oracle.schedule_oracle`` holds the result against
+Megatron-Core's own schedule run on meta, step by step to the byte.
 """
 
 from __future__ import annotations
