@@ -8,6 +8,7 @@ terminal, plain lines at most every ``PROGRESS_INTERVAL_S`` seconds when piped o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -265,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "CUBLAS_WORKSPACE_CONFIG is unset: 2.13 (default), 32 MiB on Hopper "
                            "and Blackwell; sm90, 32 MiB on Hopper only and 8,519,680 B on "
                            "Blackwell, a torch before pytorch/pytorch#175344 (2026-02-19), "
-                           "such as NGC PyTorch 26.02's (with --gpu)")
+                           "such as NGC PyTorch 26.02's (with --gpu; with "
+                           "--cublas-workspace-config it changes nothing)")
     step.add_argument("--optimizer", default="fused", type=str.lower,
                       help="the optimizer step's Adam: fused (Megatron's TE / apex FusedAdam, no "
                            "temporaries) or torch (torch.optim.Adam, foreach, traced) (default "
@@ -430,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "FSDP), their max_reserved against the worst rank's")
     validate.add_argument("--ci-case", action="append", default=None, metavar="NAME",
                           help="--against megatron-ci: a case to score, by name or a part of "
-                               "it (repeatable; default: every selected case)")
+                               "it, as the board's first column names it (repeatable; default: "
+                               "every selected case; with --left-out, the cases left out)")
     validate.add_argument("--left-out", action="store_true",
                           help="--against megatron-ci: list every golden file left out and "
                                "what stops it, instead of scoring")
@@ -1392,11 +1395,11 @@ def _override_note(args: argparse.Namespace) -> str:
         said = []
         if over:
             said.append(f"tracemem's flags override the {door} job's: "
-                        + ", ".join("--" + name.replace("_", "-") for name in over))
+                        + ", ".join(_field_flag(name) for name in over))
         if defaulted:
             said.append(("and" if over else f"tracemem's flags") + f" set what the {door} "
                         f"job leaves to its default: "
-                        + ", ".join("--" + name.replace("_", "-") for name in defaulted))
+                        + ", ".join(_field_flag(name) for name in defaulted))
         lines.append("; ".join(said))
     notes = getattr(args, "approximations", None)
     unlisted = getattr(args, "approximations_unlisted", None)
@@ -1870,6 +1873,9 @@ def _run_validate_ci(args: argparse.Namespace) -> str:
     if args.case:
         raise TracememError("--case names a CPU case; --against megatron-ci takes --ci-case "
                             "NAME")
+    if any(not part.strip() for part in args.ci_case or ()):
+        raise TracememError("--ci-case '' names every case; give a case's name or a part of "
+                            "one, such as tp1_pp4_vp1 (the board's first column)")
     scored, left_out = selection()
     if args.left_out:
         if args.ci_case:  # only the named ones
@@ -1930,6 +1936,28 @@ def _run_validate_torchtitan(args: argparse.Namespace) -> str:
     else:
         from tracemem.oracle.torchtitan_oracle import run_command
     out, args.exit_code = run_command(json_out=args.json)
+    return out
+
+
+def _field_flag(name: str) -> str:
+    """The ``tracemem estimate`` flag that sets the Job field ``name``: its option string
+    (``overlap_p2p_comm``: ``--no-overlap-p2p-communication``), or ``--`` + the name dashed
+    where no flag's dest is the field (a kernel option, FP8's)."""
+    dest = _FIELD_DESTS.get(name, name)
+    flags = _estimate_flags()
+    return flags[dest] if isinstance(dest, str) and dest in flags \
+        else "--" + name.replace("_", "-")
+
+
+@functools.lru_cache(maxsize=1)
+def _estimate_flags() -> dict[str, str]:
+    """``tracemem estimate``'s flags by dest: the first option string of each."""
+    sub = next(a for a in build_parser()._actions
+               if isinstance(a, argparse._SubParsersAction))
+    out: dict[str, str] = {}
+    for action in sub.choices["estimate"]._actions:
+        if action.option_strings:
+            out.setdefault(action.dest, action.option_strings[0])
     return out
 
 

@@ -650,6 +650,14 @@ class Job:
         # megatron-te's attention_backend "auto" is TE's choice per GPU architecture
         put(self, "profile", get_profile(self.kernels, gpu_arch=GPUS.get(self.gpu), **options))
         put(self, "kernel_options", dict(self.kernel_options or {}))
+        if (not self.overlap_p2p_comm and self.schedule == "interleaved-1f1b"
+                and self.profile.orchestration == "megatron" and par.pp <= 2):
+            # Megatron-LM d98e8a6 megatron/training/arguments.py validate_args
+            raise TracememError(
+                f"--no-overlap-p2p-communication with the interleaved schedule needs --pp "
+                f"above 2 (here {par.pp}): Megatron-LM refuses it, to avoid several p2p sends "
+                f"and receives between the same two ranks per communication batch "
+                f"(validate_args); keep the overlap (Megatron-LM's default)")
         _check_op_recompute(self, par)
         _check_fp8_moe_act_cache(self)
         _check_fp8_dispatch(self, par)

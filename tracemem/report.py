@@ -447,6 +447,10 @@ def _legend(result, units: str, keys: Sequence[str] | None = None,
                 f"the FSDP group of {fsdp2_group(par)}), alive at the peak")
     elif g == 2 * p and par.zero != 2:
         line += ", hence twice params"
+        if any(r.gradient_bytes > 2 * r.parameter_bytes for r in result.ranks):
+            # a backward at the peak: its bf16 gradient, before it is added to the main grad
+            line += (" (more where the peak is inside a backward: the bf16 gradient it is "
+                     "making, until added to the main grad)")
     elif par.zero == 2:
         line += "; ZeRO-2 shards the grads, not the params"
     lines.append(line + ".")

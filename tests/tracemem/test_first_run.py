@@ -96,6 +96,42 @@ def test_the_table_explains_itself(tiny):
         assert r.gradient_bytes >= 2 * r.parameter_bytes
 
 
+def test_the_grads_legend_says_where_a_backward_adds_its_bf16_gradient(capsys):
+    # stage 0 of a tied GPT under PP 4 + VPP peaks in a backward whose embedding gradient,
+    # [32,000, 512] bf16 = 31.25 MiB, is alive before it is added to the main grad: its grads
+    # are more than twice its params, and the legend says why (the second fresh-user trial)
+    assert main(["estimate", "--world-size", "8", "--vocab-size", "32000", "--units", "MiB",
+                 "--quiet", "--megatron-args", "--num-layers", "8", "--hidden-size", "512",
+                 "--num-attention-heads", "8", "--seq-length", "1024",
+                 "--max-position-embeddings", "1024", "--micro-batch-size", "1",
+                 "--global-batch-size", "16", "--bf16",
+                 "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer",
+                 "--pipeline-model-parallel-size", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    stage0 = next(line.split() for line in lines if line.strip().startswith("0 "))
+    params, grads = float(stage0[2]), float(stage0[3])
+    assert 32_000 * 512 * 2 / 2**20 == 31.25
+    assert abs(grads - 2 * params - 31.25) <= 0.02  # the table's two decimals, each rounded
+    assert ("grads: 4 B (fp32 main grads) per parameter against 2 B (bf16) for params under "
+            "--precision megatron, hence twice params (more where the peak is inside a "
+            "backward: the bf16 gradient it is making, until added to the main grad).") in lines
+
+
+def test_a_store_false_flag_over_a_megatron_job_is_named_as_typed(capsys):
+    # the note names tracemem's flag (--no-overlap-p2p-communication), not the field it sets
+    assert main(["estimate", "--world-size", "8", "--vocab-size", "32000", "--quiet",
+                 "--no-overlap-p2p-communication", "--no-create-attention-mask-in-dataloader",
+                 "--megatron-args", "--num-layers", "8", "--hidden-size", "512",
+                 "--num-attention-heads", "8", "--seq-length", "1024",
+                 "--max-position-embeddings", "1024", "--micro-batch-size", "1",
+                 "--global-batch-size", "16", "--bf16",
+                 "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer",
+                 "--pipeline-model-parallel-size", "4"]) == 0
+    assert ("tracemem's flags set what the Megatron-LM job leaves to its default: "
+            "--no-create-attention-mask-in-dataloader, --no-overlap-p2p-communication"
+            ) in capsys.readouterr().out.splitlines()
+
+
 def test_ep_rank_dash_is_explained_under_expert_parallelism():
     result = estimate("deepseek-tiny", world_size=4, ep=4, pp=1, micro_batch_size=2,
                       seq_length=32, num_microbatches=2, experts="sequential")

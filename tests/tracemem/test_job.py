@@ -52,6 +52,10 @@ def test_microbatches_from_the_global_batch():
                                        r"MoELayer.forward"),
     ({"num_microbatches": 1, "gpu": "GB200", "torch_cublas_default": "2.9"},
      r"--torch-cublas-default '2.9' is invalid; choose one of 2.13, sm90"),
+    ({"num_microbatches": 4, "pp": 2, "vpp": 2, "schedule": "interleaved-1f1b",
+      "kernels": "megatron-te", "overlap_p2p_comm": False},
+     r"--no-overlap-p2p-communication with the interleaved schedule needs --pp above 2 \(here "
+     r"2\): Megatron-LM refuses it"),
     ({"num_microbatches": 1, "torch_cublas_default": "sm90"},
      r"--torch-cublas-default sizes PyTorch's cuBLAS workspaces, which are counted with --gpu "
      r"only"),
