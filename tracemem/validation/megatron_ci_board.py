@@ -31,9 +31,9 @@ is the figure a user would read.
 
 The residue of a case is what tracemem knows it does not trace for that job
 (``megatron_approximations``: the front door's stated approximations), and the rest; beyond
-1 % the board itemises what is known of it (``residue_leads``: the approximations, a learned
-MoE router, the same arguments' errors on other GPUs), or says it is unexplained. Nothing here
-is tuned to a measured value.
+1 % the board itemises what is known of it (``residue_leads``: a learned MoE router, the same
+arguments' errors on other GPUs and containers), or says it is unexplained. Nothing here is
+tuned to a measured value.
 """
 
 from __future__ import annotations
@@ -85,6 +85,8 @@ class BoardRow:
     router: str | None = None
     # the case's arguments and world size, to find its copies on other GPUs
     args_key: str | None = None
+    # the NGC PyTorch container of its pairing commit ("26.04"), None where not recorded
+    container: str | None = None
 
     @property
     def error(self) -> float:
@@ -132,10 +134,11 @@ LEAD_THRESHOLD = 0.01
 def residue_leads(row: BoardRow, rows: list[BoardRow]) -> list[str]:
     """What is known of ``row``'s residue beyond what tracemem traces, as leads (none is
     scored): its learned MoE router (tracemem routes balanced; the golden files do not log
-    the expert loads), its copies with the same arguments and world size (their errors: a
-    copy within ``LEAD_THRESHOLD`` points at something GPU- or container-specific, which the
-    arguments do not say), "unexplained" where neither applies; then the arguments its
-    stated approximations name (``megatron_approximations``)."""
+    the expert loads), and its copies with the same arguments, environment and world size,
+    by GPU and container (a copy within ``LEAD_THRESHOLD`` says the residue comes with this
+    run's GPU, container or run, which the arguments do not say); "unexplained" where neither
+    applies. What tracemem approximates of the arguments is the board's "approx." column
+    (``megatron_approximations``)."""
     leads = []
     if row.router is not None:
         leads.append(f"routing: a learned {row.router} router (tracemem routes balanced; "
@@ -143,16 +146,20 @@ def residue_leads(row: BoardRow, rows: list[BoardRow]) -> list[str]:
     copies = sorted((r for r in rows if r.args_key == row.args_key and r.name != row.name
                      and r.args_key is not None), key=lambda r: r.name)
     if copies:
-        said = ", ".join(f"{r.gpu} {r.error:+.1%}" for r in copies)
+        said = ", ".join(f"{r.gpu}" + (f" {r.container}" if r.container else "")
+                         + f" {r.error:+.1%}" for r in copies)
         close = any(abs(r.error) <= LEAD_THRESHOLD for r in copies)
         leads.append(f"the same arguments: {said}"
-                     + (" (within 1 % there: GPU- or container-specific)" if close else ""))
-    if not leads:
-        leads.append("unexplained")
-    if row.approximations:  # the flag each note names, before its reason
-        leads.append("approximated: " + ", ".join(note.split(":", 1)[0]
-                                                  for note in row.approximations))
-    return leads
+                     + (" (within 1 % there: the residue comes with this run's GPU, "
+                        "container or run)" if close else ""))
+    return leads or ["unexplained"]
+
+
+def _container_tag(container: str | None) -> str | None:
+    """``nvcr.io/nvidia/pytorch:26.04-py3`` -> ``26.04``; another image as given."""
+    if container is None:
+        return None
+    return container.removeprefix("nvcr.io/nvidia/pytorch:").removesuffix("-py3")
 
 
 def state_before_first_step(argv) -> bool:
@@ -281,7 +288,8 @@ def score_case(case) -> BoardRow:
                     unit.stage, job.world_size - 1, notes, row.workspace_bytes,
                     formula.total_bytes,
                     (case.allocated or {}).get(case.measured_iteration), after,
-                    case.iteration1_bytes, first, case.inferred, moe_router(case.argv), key)
+                    case.iteration1_bytes, first, case.inferred, moe_router(case.argv), key,
+                    _container_tag(case.container))
 
 
 def score_cases(cases, progress: Callable[[str], None] | None = None
@@ -385,11 +393,13 @@ def format_board(rows: list[BoardRow], left_out: list[tuple[object, str]],
     beyond = sorted((r for r in rows if abs(r.error) > LEAD_THRESHOLD),
                     key=lambda r: (-abs(r.error), r.name))
     if beyond:
-        lines += ["", f"Residue of the {len(beyond)} case(s) beyond 1 %, itemised (leads, not "
-                      f"findings: nothing is scored with them; residue_leads):"]
+        lines += ["", f"What is known of the residue of the {len(beyond)} case(s) beyond 1 % "
+                      f"(leads, not findings: nothing is scored with them; what tracemem "
+                      f"approximates of each is its approx. column):"]
         lines.append(tabulate([[r.name, f"{r.error:+.1%}", "; ".join(residue_leads(r, rows))]
                                for r in beyond], headers=["case", "error", "what is known"],
-                              disable_numparse=True, colalign=("left", "right", "left")))
+                              disable_numparse=True, colalign=("left", "right", "left"),
+                              maxcolwidths=[None, None, 80]))
     reasons: dict[str, int] = {}
     for _, why in left_out + failed:
         reasons[why] = reasons.get(why, 0) + 1
