@@ -38,6 +38,7 @@ tuned to a measured value.
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,19 +113,19 @@ class BoardRow:
 
 
 def moe_router(argv) -> str | None:
-    """The router of a Megatron-LM MoE job's arguments, "TYPE top-K"
-    (``--moe-router-load-balancing-type``, default aux_loss, and ``--moe-router-topk``,
-    default 2: megatron/training/arguments.py at d98e8a6), with " + expert bias" under
-    ``--moe-router-enable-expert-bias``; None without ``--num-experts``."""
-    argv = list(argv)
+    """The router of a Megatron-LM MoE job's arguments, "TYPE top-K", read by the front
+    door's parser with Megatron-LM's defaults (``parse_megatron_args``:
+    ``--moe-router-load-balancing-type`` aux_loss, ``--moe-router-topk`` 2 at d98e8a6), with
+    " + expert bias" under ``--moe-router-enable-expert-bias``; None without experts."""
+    from tracemem.frontdoors.megatron_args import parse_megatron_args
 
-    def value(flag: str, default: str) -> str:
-        return argv[argv.index(flag) + 1] if flag in argv[:-1] else default
-    if "--num-experts" not in argv:
+    ns = parse_megatron_args(argv)
+    if not ns.num_experts:
         return None
-    bias = " + expert bias" if "--moe-router-enable-expert-bias" in argv else ""
-    return (f"{value('--moe-router-load-balancing-type', 'aux_loss')} "
-            f"top-{value('--moe-router-topk', '2')}{bias}")
+    kind = ns.moe_router_load_balancing_type  # nargs "+": one type, or one per layer group
+    kind = "/".join(kind) if isinstance(kind, list) else kind
+    bias = " + expert bias" if ns.moe_router_enable_expert_bias else ""
+    return f"{kind} top-{ns.moe_router_topk}{bias}"
 
 
 # a case's residue beyond this |error| is itemised (issue 21's "every residue above 1 %")
@@ -279,8 +280,6 @@ def score_case(case) -> BoardRow:
         if job.activation_offload:  # iteration 1 is the offload manager's warm-up
             (warm,) = trace_classes(job, [unit], TraceCache(), offload_warmup=True)
         first = first_step_peak(job, warm)
-    import hashlib
-
     key = hashlib.sha256(repr((tuple(case.argv), case.world_size,
                                sorted(dict(case.env_vars).items()))).encode()).hexdigest()[:16]
     return BoardRow(case.name, case.gpu, case.world_size, case.measured_iteration,
