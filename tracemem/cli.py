@@ -407,9 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replace_flag(static)
 
     validate = sub.add_parser(
-        "validate", help="run the validation cases for real on CPU under torch.profiler and "
-                         "traced on meta, a loop of 3 steps each, and print both peaks and "
-                         "whether the same storages are alive after every step")
+        "validate", help="hold tracemem against ground truth: --against cpu (default) runs "
+                         "the validation cases for real on CPU under torch.profiler and "
+                         "traced on meta; megatron-core and torchtitan, the frameworks' own "
+                         "code on meta; megatron-ci and torchtitan-runs, measured runs")
     validate.add_argument("--case", action="append", metavar="NAME",
                           help="--against cpu: a case to run (repeatable; default: all): "
                                + ", ".join(c.name for c in CASES))

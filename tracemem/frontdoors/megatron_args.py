@@ -373,6 +373,9 @@ def megatron_args_from_yaml(path) -> tuple[list[str], dict[str, str]]:
         text = Path(path).read_text()
     except FileNotFoundError:
         raise TracememError(f"{where}: no such model_config.yaml") from None
+    except IsADirectoryError:
+        raise TracememError(f"{where} is a folder; give the model_config.yaml file in it"
+                            ) from None
     except (OSError, UnicodeDecodeError) as error:
         raise TracememError(f"{where}: cannot read: {type(error).__name__}: {error}") from None
     try:

@@ -62,8 +62,9 @@ def require_megatron() -> None:
         from megatron.core.package_info import __version__
     except ImportError as error:
         raise TracememError(f"--against megatron-core needs megatron-core "
-                            f"{MEGATRON_CORE_VERSION}: pip install 'tracemem[megatron]' "
-                            f"({error})") from None
+                            f"{MEGATRON_CORE_VERSION}: pip install 'tracemem[megatron]' (in "
+                            f"a clone, `make test` installs it, or .venv/bin/python -m pip "
+                            f"install -c constraints.txt -e '.[megatron]') ({error})") from None
     if __version__ != MEGATRON_CORE_VERSION:
         raise TracememError(f"--against megatron-core is pinned to megatron-core "
                             f"{MEGATRON_CORE_VERSION}; {__version__} is installed")

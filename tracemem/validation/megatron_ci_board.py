@@ -86,7 +86,7 @@ class BoardRow:
     router: str | None = None
     # the case's arguments and world size, to find its copies on other GPUs
     args_key: str | None = None
-    # the NGC PyTorch container of its pairing commit ("26.04"), None where not recorded
+    # the container of its pairing commit ("NGC 26.04"), None where not recorded
     container: str | None = None
 
     @property
@@ -157,10 +157,14 @@ def residue_leads(row: BoardRow, rows: list[BoardRow]) -> list[str]:
 
 
 def _container_tag(container: str | None) -> str | None:
-    """``nvcr.io/nvidia/pytorch:26.04-py3`` -> ``26.04``; another image as given."""
+    """``nvcr.io/nvidia/pytorch:26.04-py3`` -> ``NGC 26.04`` (the NGC PyTorch container);
+    another image as given."""
     if container is None:
         return None
-    return container.removeprefix("nvcr.io/nvidia/pytorch:").removesuffix("-py3")
+    prefix = "nvcr.io/nvidia/pytorch:"
+    if container.startswith(prefix):
+        return "NGC " + container.removeprefix(prefix).removesuffix("-py3")
+    return container
 
 
 def state_before_first_step(argv) -> bool:

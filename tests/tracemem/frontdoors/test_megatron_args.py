@@ -998,3 +998,10 @@ def test_a_new_tp_moves_a_moe_jobs_default_etp():
     assert (job.tp, job.etp) == (4, 1)
     assert megatron_job(_tiny("--tensor-model-parallel-size", "2"), world_size=8,
                         tp=4).etp == 1  # dense: no expert TP
+
+
+def test_a_folder_given_as_the_yaml_is_named_as_one(tmp_path):
+    # the third fresh-user trial: it leaked "IsADirectoryError: [Errno 21] ..."
+    with pytest.raises(TracememError, match=r"^.+ is a folder; give the model_config.yaml file "
+                                            r"in it$"):
+        megatron_args_from_yaml(tmp_path)

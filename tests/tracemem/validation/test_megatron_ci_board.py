@@ -130,16 +130,16 @@ def test_the_residue_beyond_1_percent_is_itemised_with_what_is_known():
     assert moe_router(["--num-experts", "8", "--moe-router-enable-expert-bias"]) \
         == "aux_loss top-2 + expert bias"
 
-    def row(name, gpu, tracemem, router=None, key="a", container="26.04"):
+    def row(name, gpu, tracemem, router=None, key="a", container="NGC 26.04"):
         return BoardRow(name, gpu, 8, 2, 1_000, tracemem, tracemem, 0, 7, (),
                         router=router, args_key=key, container=container)
     moe = row("x@h100", "H100", 940, "aux_loss top-2")
-    twin = row("x@gb200", "GB200", 995, "aux_loss top-2", container="26.02")
+    twin = row("x@gb200", "GB200", 995, "aux_loss top-2", container="NGC 26.02")
     alone = row("y@a100", "A100", 970, key="b")
     assert residue_leads(moe, [moe, twin, alone]) == [
         "routing: a learned aux_loss top-2 router (tracemem routes balanced; the run's expert "
         "loads are not logged)",
-        "the same arguments: GB200 26.02 -0.5% (within 1 % there: the residue comes with this "
+        "the same arguments: GB200 NGC 26.02 -0.5% (within 1 % there: the residue comes with this "
         "run's GPU, container or run)"]
     assert residue_leads(alone, [moe, twin, alone]) == ["unexplained"]
 
